@@ -1,0 +1,499 @@
+"""The anyio front end: byte streams, message channels and their listeners.
+
+These functions and classes work under asyncio, asyncio on uvloop and trio.
+Under asyncio the TCP link is an ``asyncio.BufferedProtocol``; under trio it is
+trio's socket through anyio.
+
+Cancellation: cancelling ``receive`` loses nothing (bytes or messages that
+arrived stay buffered for the next call).  Cancelling ``send`` may leave the
+data partly written, as with any anyio stream; the connection is then in an
+unknown state and should be closed.  ``aclose`` always releases the
+connection, also when cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as _ssl
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio import BusyResourceError
+from anyio.abc import ByteStream, Listener, ObjectStream, SocketAttribute, TaskGroup
+from anyio.streams.tls import TLSListener
+
+from ._attributes import TransportAttribute
+from ._core import Core, Link
+from ._errors import HandshakeError, RDMAUnavailableError
+from ._links import AsyncioLink, StreamLink
+from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
+from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
+
+__all__ = [
+    "Stream",
+    "Channel",
+    "StreamListener",
+    "ChannelListener",
+    "connect",
+    "connect_channel",
+    "create_listener",
+    "create_channel_listener",
+]
+
+log = logging.getLogger("aiordma")
+
+T = TypeVar("T")
+
+
+def running_on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Options:
+    transport: TransportChoice
+    ssl: _ssl.SSLContext | None = None
+    server_hostname: str | None = None
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+
+    def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
+        return Connection(
+            role, mode, now=now, max_message_size=self.max_message_size, handshake_timeout=self.handshake_timeout
+        )
+
+
+def make_options(
+    transport: str | None,
+    ssl: _ssl.SSLContext | bool | None,
+    server_hostname: str | None,
+    max_message_size: int,
+    handshake_timeout: float,
+    *,
+    server: bool,
+) -> Options:
+    choice = resolve_transport(transport)
+    context: _ssl.SSLContext | None
+    if ssl is True:
+        if server:
+            raise ValueError("a server needs an ssl.SSLContext with its certificate, not ssl=True")
+        context = _ssl.create_default_context()
+    elif ssl is False or ssl is None:
+        context = None
+    else:
+        context = ssl
+    if server_hostname is not None and context is None:
+        raise ValueError("server_hostname is only meaningful with ssl")
+    return Options(choice, context, server_hostname, max_message_size, handshake_timeout)
+
+
+class _Guard:
+    """Raises ``BusyResourceError`` when two tasks do the same thing at once."""
+
+    __slots__ = ("_action", "_busy")
+
+    def __init__(self, action: str) -> None:
+        self._action = action
+        self._busy = False
+
+    def __enter__(self) -> None:
+        if self._busy:
+            raise BusyResourceError(self._action)
+        self._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy = False
+
+
+class _Endpoint:
+    """What streams and channels share: the Core and the typed attributes."""
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+
+    @property
+    def transport(self) -> str:
+        """``"tcp"`` or ``"rdma"``."""
+        return self._core.transport
+
+    @property
+    def fallback_reason(self) -> str:
+        """Why this connection runs on TCP (``""`` on RDMA)."""
+        return self._core.fallback_reason
+
+    def _attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        core = self._core
+        proto = core.proto
+        peer = proto.peer_hello
+        attrs: dict[Any, Callable[[], Any]] = dict(core.link.extra_attributes)
+        attrs.update(
+            {
+                TransportAttribute.transport: lambda: core.transport,
+                TransportAttribute.fallback_reason: lambda: core.fallback_reason,
+                TransportAttribute.mode: lambda: "stream" if proto.mode is Mode.STREAM else "messages",
+                TransportAttribute.max_message_size: lambda: proto.max_message_size,
+            }
+        )
+        if peer is not None:
+            attrs[TransportAttribute.peer_max_message_size] = lambda: peer.max_message_size
+        return attrs
+
+
+class Stream(_Endpoint, ByteStream):
+    """A byte stream over one aiordma connection (``anyio.abc.ByteStream``).
+
+    * ``receive`` returns at least one byte, raises ``EndOfStream`` after the
+      peer's ``send_eof``/``aclose`` once everything sent before it was read,
+      ``BrokenResourceError`` when the connection failed, ``ClosedResourceError``
+      after our own ``aclose``, and ``BusyResourceError`` if another task is
+      already receiving.
+    * ``send`` writes all of ``item`` before returning (backpressure: it waits
+      while the peer does not read); concurrent sends are serialized, each one
+      whole.  After ``send_eof`` it raises ``ClosedResourceError``.
+    """
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        self._receive_guard = _Guard("another task is already receiving from this stream")
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be at least 1")
+        with self._receive_guard:
+            return await self._core.receive_bytes(max_bytes)
+
+    async def send(self, item: bytes) -> None:
+        if not isinstance(item, (bytes, bytearray, memoryview)):
+            raise TypeError(f"send() takes bytes, not {type(item).__name__}")
+        if not item:
+            self._core.check_send()
+            return
+        await self._core.send_data(item)
+
+    async def send_eof(self) -> None:
+        await self._core.send_eof()
+
+    async def aclose(self) -> None:
+        await self._core.aclose()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self._attributes()
+
+
+class Channel(_Endpoint, ObjectStream[bytes]):
+    """A message channel (``anyio.abc.ObjectStream[bytes]``): every ``send``
+    arrives as one ``receive``, empty messages included, in order.
+
+    Messages larger than the peer's ``max_message_size`` are refused by ``send``
+    with :class:`~aiordma.LocalProtocolError` before anything is sent (the
+    channel stays usable).  Several tasks may send and receive at once; each
+    message goes whole to exactly one receiver.  ``async for message in
+    channel`` ends at the peer's EOF or close.
+    """
+
+    async def receive(self) -> bytes:
+        return await self._core.receive_message()
+
+    async def send(self, item: bytes) -> None:
+        if not isinstance(item, (bytes, bytearray, memoryview)):
+            raise TypeError(f"send() takes bytes, not {type(item).__name__}")
+        await self._core.send_data(item)
+
+    async def send_eof(self) -> None:
+        await self._core.send_eof()
+
+    async def aclose(self) -> None:
+        await self._core.aclose()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self._attributes()
+
+
+async def _discard(core: Core) -> None:
+    """Release a connection whose setup failed (also under cancellation)."""
+    with anyio.CancelScope(shield=True):
+        await core.aclose()
+
+
+async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
+    tls = opts.ssl is not None
+    local_offer(opts.transport, "client", tls=tls)  # strict policy: fail before connecting
+    link: Link
+    if running_on_asyncio():
+        loop = asyncio.get_running_loop()
+        proto = opts.protocol(Role.CLIENT, mode, loop.time())
+        _, link = await loop.create_connection(
+            lambda: AsyncioLink(proto, loop),
+            host,
+            port,
+            ssl=opts.ssl,
+            server_hostname=opts.server_hostname if tls else None,
+        )
+    else:
+        stream: ByteStream = await anyio.connect_tcp(
+            host, port, ssl_context=opts.ssl, tls=tls, tls_hostname=opts.server_hostname
+        )
+        link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
+    core = link.core
+    try:
+        await client_handshake(core, opts.transport, tls=tls)
+    except BaseException:
+        await _discard(core)
+        raise
+    return core
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> Stream:
+    """Connect to an aiordma byte-stream listener; returns a :class:`Stream`.
+
+    ``transport`` is ``"auto"`` (RDMA when both sides can, else TCP with the
+    reason in ``fallback_reason``), ``"rdma"`` (strict: raise
+    :class:`~aiordma.RDMAUnavailableError` instead of falling back) or
+    ``"tcp"``; ``None`` reads ``$AIORDMA_TRANSPORT``.  ``ssl`` wraps the TCP
+    connection in TLS (``True`` for a default client context); TLS connections
+    always carry their data on TCP.  Raises ``OSError`` when the TCP connection
+    fails and :class:`~aiordma.HandshakeError` when the peer is no aiordma
+    byte-stream listener or does not answer within ``handshake_timeout``.
+    """
+    opts = make_options(transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False)
+    return Stream(await _open(host, port, Mode.STREAM, opts))
+
+
+async def connect_channel(
+    host: str,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> Channel:
+    """Connect to an aiordma channel listener; returns a :class:`Channel`.
+
+    ``max_message_size`` bounds the messages this side accepts (the peer's own
+    limit bounds what we may send).  Other arguments as for :func:`connect`.
+    """
+    opts = make_options(transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False)
+    return Channel(await _open(host, port, Mode.MESSAGES, opts))
+
+
+# -- listeners -------------------------------------------------------------------
+
+
+class _Acceptor:
+    """Accepts TCP connections and turns each into a Link (backend specific)."""
+
+    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    def addresses(self) -> list[Any]:
+        raise NotImplementedError
+
+
+class _AsyncioAcceptor(_Acceptor):
+    def __init__(self, server: asyncio.Server, queue: asyncio.Queue[AsyncioLink]) -> None:
+        self._server = server
+        self._queue = queue
+
+    @classmethod
+    async def create(cls, host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _AsyncioAcceptor:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[AsyncioLink] = asyncio.Queue()
+        server = await loop.create_server(
+            lambda: AsyncioLink(opts.protocol(Role.SERVER, mode, loop.time()), loop, on_made=queue.put_nowait),
+            host,
+            port,
+            ssl=opts.ssl,
+            backlog=backlog,
+        )
+        return cls(server, queue)
+
+    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+        while True:
+            link = await self._queue.get()
+            task_group.start_soon(handle, link)
+
+    async def aclose(self) -> None:
+        self._server.close()  # closes the listening sockets now
+        while not self._queue.empty():
+            self._queue.get_nowait().abort()
+
+    def addresses(self) -> list[Any]:
+        return [sock.getsockname() for sock in self._server.sockets]
+
+
+class _AnyioAcceptor(_Acceptor):
+    def __init__(self, listener: Listener[Any], mode: Mode, opts: Options, addresses: list[Any]) -> None:
+        self._listener = listener
+        self._mode = mode
+        self._opts = opts
+        self._addresses = addresses
+
+    @classmethod
+    async def create(cls, host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _AnyioAcceptor:
+        tcp = await anyio.create_tcp_listener(local_host=host, local_port=port, backlog=backlog)
+        addresses = [lst.extra(SocketAttribute.local_address) for lst in tcp.listeners]
+        listener: Listener[Any] = tcp
+        if opts.ssl is not None:
+            listener = TLSListener(tcp, opts.ssl, standard_compatible=False)
+        return cls(listener, mode, opts, addresses)
+
+    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+        async def accepted(stream: ByteStream) -> None:
+            await handle(StreamLink(stream, self._opts.protocol(Role.SERVER, self._mode, anyio.current_time())))
+
+        await self._listener.serve(accepted, task_group)
+
+    async def aclose(self) -> None:
+        await self._listener.aclose()
+
+    def addresses(self) -> list[Any]:
+        return list(self._addresses)
+
+
+E = TypeVar("E", Stream, Channel)
+
+
+class _BaseListener(Generic[E]):
+    _wrap: Callable[[Core], E]
+
+    def __init__(self, acceptor: _Acceptor, opts: Options) -> None:
+        self._acceptor = acceptor
+        self._opts = opts
+        self._closed = False
+
+    @property
+    def addresses(self) -> list[Any]:
+        """The bound socket addresses (``(host, port, ...)`` tuples)."""
+        return self._acceptor.addresses()
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (useful after binding port 0)."""
+        return int(self.addresses[0][1])
+
+    async def serve(self, handler: Callable[[E], Any], task_group: TaskGroup | None = None) -> None:
+        """Accept connections forever, calling ``handler`` in a task for each one.
+
+        The handshake runs in that task first; a client that fails it is
+        logged (logger ``aiordma``) and dropped without disturbing the others.
+        As with anyio's listeners, the handler owns the stream (close it, e.g.
+        ``async with stream:``), and an exception in a handler propagates out
+        of ``serve``.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError
+
+        async def handle(link: Link) -> None:
+            core = link.core
+            try:
+                await server_handshake(core, self._opts.transport, tls=self._opts.ssl is not None)
+            except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
+                log.info("aiordma: dropped a client during the handshake: %s", exc)
+                await _discard(core)
+                return
+            except BaseException:
+                await _discard(core)
+                raise
+            await handler(self._wrap(core))
+
+        if task_group is None:
+            async with anyio.create_task_group() as tg:
+                await self._acceptor.serve(handle, tg)
+        else:
+            await self._acceptor.serve(handle, task_group)
+
+    async def aclose(self) -> None:
+        """Stop listening (connections already handed out stay open)."""
+        if not self._closed:
+            self._closed = True
+            await self._acceptor.aclose()
+
+    def _listener_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        addresses = self.addresses
+        return {
+            SocketAttribute.local_address: lambda: addresses[0],
+            SocketAttribute.local_port: lambda: addresses[0][1],
+            TransportAttribute.transport: lambda: self._opts.transport,
+        }
+
+
+class StreamListener(_BaseListener[Stream], Listener[Stream]):
+    """Accepts aiordma byte streams (``anyio.abc.Listener[Stream]``)."""
+
+    _wrap = Stream
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self._listener_attributes()
+
+
+class ChannelListener(_BaseListener[Channel], Listener[Channel]):
+    """Accepts aiordma message channels (``anyio.abc.Listener[Channel]``)."""
+
+    _wrap = Channel
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self._listener_attributes()
+
+
+async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _Acceptor:
+    local_offer(opts.transport, "server", tls=opts.ssl is not None)  # strict policy: fail now
+    if running_on_asyncio():
+        return await _AsyncioAcceptor.create(host, port, mode, opts, backlog)
+    return await _AnyioAcceptor.create(host, port, mode, opts, backlog)
+
+
+async def create_listener(
+    host: str | None,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | None = None,
+    backlog: int = 100,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> StreamListener:
+    """Listen for aiordma byte streams on ``host``/``port`` (port 0: any free port).
+
+    With ``transport="rdma"`` it raises :class:`~aiordma.RDMAUnavailableError`
+    at once when this host cannot do RDMA, and refuses clients that cannot.
+    """
+    opts = make_options(transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True)
+    return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, backlog), opts)
+
+
+async def create_channel_listener(
+    host: str | None,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | None = None,
+    backlog: int = 100,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> ChannelListener:
+    """Listen for aiordma message channels; see :func:`create_listener`."""
+    opts = make_options(transport, ssl, None, max_message_size, handshake_timeout, server=True)
+    return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, backlog), opts)

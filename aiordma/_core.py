@@ -1,0 +1,235 @@
+"""The connection core shared by every front end and every transport.
+
+A :class:`Core` owns one sans-IO :class:`~aiordma._protocol.Connection` and
+the receive buffers, and sits on a :class:`Link` that moves the bytes (a TCP
+socket through an asyncio protocol, an anyio byte stream under trio, an
+in-memory pipe in tests; the RDMA link later).  Front ends -- the anyio
+``ByteStream`` / ``ObjectStream`` classes and the asyncio reader/writer -- only
+talk to a Core.
+
+Errors leave the Core as anyio's exceptions: ``ClosedResourceError`` (this
+side closed it), ``BrokenResourceError`` (the link failed or the peer broke
+the protocol; ``__cause__`` says how), ``EndOfStream`` (the peer sent EOF or
+closed in order).  The asyncio front end translates those at its own boundary.
+
+Link contract
+-------------
+* ``wait_incoming()`` returns once the link has fed the Core something (events
+  or an error) -- or at once if the link is finished.  Several tasks may wait
+  at once; each returns after a feed and re-checks the Core.
+* ``send(chunks)`` writes the chunks in order, atomically with respect to other
+  ``send`` calls, and returns when the link can take more (backpressure).
+* ``consumed()`` is called when a reader took bytes out of the Core: a push
+  link resumes reading when the buffer is low again.
+* ``aclose(final)`` writes ``final`` (a CLOSE frame) if it can, within a short
+  bound, then releases the link.  It is idempotent and safe under
+  cancellation.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
+
+from ._errors import HandshakeError, LocalProtocolError, ProtocolError
+from ._protocol import (
+    Chunk,
+    CloseCode,
+    Connection,
+    ConnectionClosed,
+    Data,
+    EndOfStream as EndOfStreamEvent,
+    Event,
+    Half,
+    Message,
+    Mode,
+)
+
+__all__ = ["Core", "Link"]
+
+#: A push link stops reading from the socket when this many received bytes
+#: wait in the Core, and reads again below a quarter of it.
+RECEIVE_HIGH_WATER = 1 << 20
+
+
+class Link(abc.ABC):
+    """Moves bytes between a :class:`Core` and the peer (see module docs)."""
+
+    core: Core
+
+    def attach(self, core: Core) -> None:
+        self.core = core
+
+    @abc.abstractmethod
+    async def wait_incoming(self) -> None: ...
+
+    @abc.abstractmethod
+    async def send(self, chunks: Sequence[Chunk]) -> None: ...
+
+    def consumed(self) -> None:
+        """A reader took bytes out of the Core."""
+
+    @abc.abstractmethod
+    async def aclose(self, final: bytes) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]: ...
+
+
+class Core:
+    """One aiordma connection: protocol state and receive buffers over a link."""
+
+    def __init__(self, proto: Connection, link: Link) -> None:
+        self.proto = proto
+        self.link = link
+        self.rbuf = bytearray()
+        self.messages: deque[bytes] = deque()
+        self.message_bytes = 0
+        self.control: deque[Event] = deque()
+        self.peer_eof = False
+        self.peer_close: ConnectionClosed | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+        self.transport = "tcp"
+        self.fallback_reason = ""
+        link.attach(self)
+
+    # -- fed by the link ----------------------------------------------------
+
+    def on_events(self, events: list[Event]) -> None:
+        for ev in events:
+            kind = type(ev)
+            if kind is Data:
+                self.rbuf += ev.data  # type: ignore[union-attr]
+            elif kind is Message:
+                data: bytes = ev.data  # type: ignore[union-attr]
+                self.messages.append(data)
+                self.message_bytes += len(data)
+            elif kind is EndOfStreamEvent:
+                self.peer_eof = True
+            elif kind is ConnectionClosed:
+                self.peer_eof = True
+                self.peer_close = ev  # type: ignore[assignment]
+            else:
+                self.control.append(ev)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes from the peer (pull links); protocol errors become the Core's error."""
+        try:
+            events = self.proto.receive_data(data)
+        except (ProtocolError, HandshakeError) as exc:
+            self.on_error(exc)
+        else:
+            self.on_events(events)
+
+    def feed_eof(self, exc: BaseException | None = None) -> None:
+        """The byte transport ended, in order (``exc`` None) or not."""
+        try:
+            self.proto.receive_eof()
+        except (ProtocolError, HandshakeError) as perr:
+            if exc is not None:
+                perr.__cause__ = exc
+            self.on_error(perr)
+        else:
+            if exc is not None and self.peer_close is None:
+                self.on_error(exc)
+
+    def on_error(self, exc: BaseException) -> None:
+        if self.error is None and not self.closed:
+            self.error = exc
+
+    @property
+    def buffered(self) -> int:
+        return len(self.rbuf) + self.message_bytes
+
+    # -- checks (raise anyio's exceptions) -----------------------------------
+
+    def broken(self) -> BrokenResourceError:
+        err = BrokenResourceError(f"the connection is broken: {self.error}")
+        err.__cause__ = self.error
+        return err
+
+    def check_receive(self) -> None:
+        """Raise what a receive with an empty buffer must raise, if anything."""
+        if self.closed:
+            raise ClosedResourceError
+        if self.peer_eof:
+            raise EndOfStream
+        if self.error is not None:
+            raise self.broken()
+
+    def check_send(self) -> None:
+        if self.closed:
+            raise ClosedResourceError
+        if self.error is not None:
+            raise self.broken()
+        if self.peer_close is not None:
+            raise BrokenResourceError(f"the peer closed the connection: {self.peer_close.reason or 'normal close'}")
+        if self.proto.send_half is not Half.OPEN:
+            raise ClosedResourceError("the sending side was closed (send_eof)")
+
+    # -- used by front ends ---------------------------------------------------
+
+    async def receive_bytes(self, max_bytes: int) -> bytes:
+        rbuf = self.rbuf
+        while not rbuf:
+            self.check_receive()
+            await self.link.wait_incoming()
+        if len(rbuf) <= max_bytes:
+            data = bytes(rbuf)
+            rbuf.clear()
+        else:
+            data = bytes(rbuf[:max_bytes])
+            del rbuf[:max_bytes]
+        self.link.consumed()
+        return data
+
+    async def receive_message(self) -> bytes:
+        messages = self.messages
+        while not messages:
+            self.check_receive()
+            await self.link.wait_incoming()
+        data = messages.popleft()
+        self.message_bytes -= len(data)
+        self.link.consumed()
+        return data
+
+    async def send_data(self, data: bytes | bytearray | memoryview) -> None:
+        self.check_send()
+        if self.proto.mode is Mode.MESSAGES:
+            chunks = self.proto.send_message(data)
+        else:
+            chunks = self.proto.send_data(data)
+        if chunks:
+            await self.link.send(chunks)
+
+    async def send_eof(self) -> None:
+        if self.closed:
+            raise ClosedResourceError
+        if self.proto.send_half is Half.EOF:
+            return
+        self.check_send()
+        try:
+            frame = self.proto.send_eof()
+        except LocalProtocolError as exc:
+            raise ClosedResourceError(str(exc)) from exc
+        await self.link.send([frame])
+
+    async def aclose(self) -> None:
+        """Close in order: send CLOSE (best effort), release the link.  Idempotent."""
+        if self.closed:
+            return
+        error = self.error
+        self.closed = True
+        if error is not None and isinstance(error, (ProtocolError, HandshakeError)):
+            final = self.proto.close(CloseCode.PROTOCOL_ERROR, str(error))
+        elif error is not None:
+            final = b""
+        else:
+            final = self.proto.close(CloseCode.NORMAL, "")
+        await self.link.aclose(final)

@@ -1,0 +1,331 @@
+"""Links that carry the aiordma protocol over byte transports.
+
+* :class:`AsyncioLink` -- an ``asyncio.BufferedProtocol`` on a TCP (or TLS)
+  transport: the kernel's bytes are received straight into the protocol's
+  buffer (``get_buffer``/``buffer_updated``), no ``StreamReader`` in between.
+  Used under asyncio and uvloop by every front end.
+* :class:`StreamLink` -- any ``anyio.abc.ByteStream``: trio's sockets (through
+  anyio), TLS streams, the in-memory streams of :mod:`aiordma.testing`.  It
+  pulls: a task that waits for data reads from the stream itself, so nothing
+  runs in the background.
+
+This module is the one boundary where OS and anyio transport errors become
+the Core's error (and so ``BrokenResourceError`` on the anyio API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
+from anyio.abc import ByteStream, SocketAttribute
+
+from ._core import RECEIVE_HIGH_WATER, Core, Link
+from ._errors import HandshakeError, ProtocolError
+from ._protocol import Chunk, CloseCode, Connection
+
+__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT"]
+
+log = logging.getLogger("aiordma")
+
+#: How long closing may wait to flush the CLOSE frame before it aborts.
+CLOSE_TIMEOUT = 5.0
+#: How much a pull link asks its stream for at once.
+RECEIVE_SIZE = 256 << 10
+
+
+def _socket_attributes(get: Callable[[str], Any]) -> dict[Any, Callable[[], Any]]:
+    attrs: dict[Any, Callable[[], Any]] = {}
+    sock = get("socket")
+    if sock is not None:
+        attrs[SocketAttribute.raw_socket] = lambda: sock
+        attrs[SocketAttribute.family] = lambda: sock.family
+    sockname = get("sockname")
+    if sockname is not None:
+        attrs[SocketAttribute.local_address] = lambda: sockname
+        if isinstance(sockname, tuple):
+            attrs[SocketAttribute.local_port] = lambda: sockname[1]
+    peername = get("peername")
+    if peername is not None:
+        attrs[SocketAttribute.remote_address] = lambda: peername
+        if isinstance(peername, tuple):
+            attrs[SocketAttribute.remote_port] = lambda: peername[1]
+    return attrs
+
+
+class AsyncioLink(asyncio.BufferedProtocol, Link):
+    """The protocol side of an asyncio TCP connection (see module docs).
+
+    ``on_made`` (servers) is called with the link once the transport exists.
+    """
+
+    def __init__(
+        self,
+        proto: Connection,
+        loop: asyncio.AbstractEventLoop,
+        on_made: Callable[[AsyncioLink], None] | None = None,
+    ) -> None:
+        self._loop = loop
+        self._on_made = on_made
+        self.transport: asyncio.BaseTransport | None = None
+        self._writer: asyncio.WriteTransport | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._paused_writing = False
+        self._paused_reading = False
+        self.lost = False
+        self._closed_future: asyncio.Future[None] = loop.create_future()
+        Core(proto, self)
+
+    # -- asyncio protocol callbacks ------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        assert isinstance(transport, asyncio.WriteTransport)
+        self._writer = transport
+        if self._on_made is not None:
+            self._on_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.core.proto.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        core = self.core
+        try:
+            events = core.proto.buffer_updated(nbytes)
+        except (ProtocolError, HandshakeError) as exc:
+            core.on_error(exc)
+            self._fail(exc)
+        else:
+            if events:
+                core.on_events(events)
+                if core.buffered > RECEIVE_HIGH_WATER and not self._paused_reading:
+                    self._pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.core.feed_eof()
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        core = self.core
+        if not core.closed and core.error is None and core.peer_close is None:
+            core.feed_eof(exc)
+        self._wake()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        if not self._closed_future.done():
+            self._closed_future.set_result(None)
+        self._on_made = None
+
+    def pause_writing(self) -> None:
+        self._paused_writing = True
+
+    def resume_writing(self) -> None:
+        self._paused_writing = False
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- internals -----------------------------------------------------------
+
+    def _wake(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _pause_reading(self) -> None:
+        if isinstance(self.transport, asyncio.ReadTransport) and not self.lost:
+            self.transport.pause_reading()
+            self._paused_reading = True
+
+    def _resume_reading(self) -> None:
+        self._paused_reading = False
+        if isinstance(self.transport, asyncio.ReadTransport) and not self.lost:
+            self.transport.resume_reading()
+
+    def _fail(self, exc: Exception) -> None:
+        """The peer broke the protocol: tell it why and hang up."""
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            final = self.core.proto.close(CloseCode.PROTOCOL_ERROR, str(exc))
+            if final:
+                writer.write(final)
+            writer.close()
+
+    # -- Link ------------------------------------------------------------------
+
+    async def wait_incoming(self) -> None:
+        if self.lost or self.core.closed:
+            return
+        if self._paused_reading:
+            self._resume_reading()
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        finally:
+            self._waiters.remove(fut)
+
+    def consumed(self) -> None:
+        if self._paused_reading and self.core.buffered <= RECEIVE_HIGH_WATER // 4:
+            self._resume_reading()
+
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+        if len(chunks) == 1:
+            writer.write(chunks[0])
+        else:
+            for chunk in chunks:
+                writer.write(chunk)
+
+    async def drain(self) -> None:
+        if not self._paused_writing or self.lost:
+            return
+        fut = self._loop.create_future()
+        self._drain_waiters.append(fut)
+        try:
+            await fut
+        finally:
+            self._drain_waiters.remove(fut)
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        self.write_nowait(chunks)
+        if self._paused_writing:
+            await self.drain()
+            if self.lost:
+                raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+
+    def close_nowait(self, final: bytes) -> None:
+        """Write ``final`` and start closing the transport (flushes first)."""
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            if final:
+                writer.write(final)
+            writer.close()
+        elif writer is None and self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    async def wait_closed(self) -> None:
+        """Wait until the transport is gone; abort it after ``CLOSE_TIMEOUT``."""
+        if self.transport is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._closed_future), CLOSE_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.abort()
+            await self._closed_future
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+
+    async def aclose(self, final: bytes) -> None:
+        self.close_nowait(final)
+        await self.wait_closed()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        transport = self.transport
+        if transport is None:
+            return {}
+        return _socket_attributes(transport.get_extra_info)
+
+
+class StreamLink(Link):
+    """A link over an ``anyio.abc.ByteStream`` (pull model, see module docs)."""
+
+    def __init__(self, stream: ByteStream, proto: Connection) -> None:
+        self.stream = stream
+        self._send_lock = anyio.Lock()
+        self._receive_lock = anyio.Lock()
+        self._feeds = 0
+        self.ended = False
+        self.closed = False
+        Core(proto, self)
+
+    async def wait_incoming(self) -> None:
+        core = self.core
+        seen = self._feeds
+        async with self._receive_lock:
+            if self._feeds != seen or self.ended or core.closed:
+                return
+            try:
+                data = await self.stream.receive(RECEIVE_SIZE)
+            except EndOfStream:
+                self.ended = True
+                core.feed_eof()
+            except ClosedResourceError as exc:
+                self.ended = True
+                if not core.closed:
+                    core.feed_eof(exc)
+            except (BrokenResourceError, OSError) as exc:
+                self.ended = True
+                core.feed_eof(exc)
+            else:
+                core.feed(data)
+                if core.error is not None and isinstance(core.error, (ProtocolError, HandshakeError)):
+                    self.ended = True
+                    with anyio.CancelScope(shield=True):
+                        await self.aclose(core.proto.close(CloseCode.PROTOCOL_ERROR, str(core.error)))
+            finally:
+                self._feeds += 1
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        if len(chunks) > 1 and sum(len(c) for c in chunks) <= RECEIVE_SIZE:
+            chunks = [b"".join(chunks)]
+        try:
+            async with self._send_lock:
+                for chunk in chunks:
+                    await self.stream.send(chunk)  # type: ignore[arg-type]
+        except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+            if self.core.closed:
+                raise ClosedResourceError from exc
+            self.core.on_error(exc)
+            raise self.core.broken() from exc
+
+    async def aclose(self, final: bytes) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(CLOSE_TIMEOUT):
+                try:
+                    if final:
+                        async with self._send_lock:
+                            await self.stream.send(final)
+                except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                    log.debug("could not send CLOSE: %r", exc)
+            with anyio.move_on_after(CLOSE_TIMEOUT) as scope:
+                await self.stream.aclose()
+            if scope.cancelled_caught:
+                await anyio.aclose_forcefully(self.stream)
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        attrs = dict(self.stream.extra_attributes)
+        return attrs
+
+
+def tune_socket(sock: socket.socket | None) -> None:
+    """TCP_NODELAY: our frames are whole writes; Nagle would only add latency."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # pragma: no cover
+            pass

@@ -1,0 +1,723 @@
+"""The aiordma wire protocol, sans I/O.
+
+:class:`Connection` takes bytes (and the time, for the handshake deadline) in
+and gives bytes and events out.  It imports nothing that does I/O: the TCP
+transport, the RDMA transport and the tests all drive the same object.  The
+format is written down in ``docs/protocol.md``; the state machines are the
+tables in :mod:`aiordma._states`.
+
+Theory of operation
+-------------------
+Each side starts with an 8-byte magic, then frames follow.  A frame is an
+8-byte header (type, flags, reserved, payload length) and its payload.  Every
+field read from the wire is checked before it is used: the length of a frame
+is compared with the limit for its type *before* any byte of the payload is
+buffered, so a peer can never make us allocate more than
+``max(max_message_size, MAX_CONTROL_PAYLOAD) + HEADER.size`` plus the receive
+buffer.  DATA payloads are handed out as they arrive (a byte stream has no
+boundaries to wait for); MESSAGE payloads are handed out whole.
+
+Ownership: the bytes returned by ``send_*`` are the caller's to write out, in
+order, before any bytes returned by a later call.  ``get_buffer`` lends a
+writable view into the receive buffer until the matching ``buffer_updated``;
+events never refer to that buffer (their payloads are copies).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias, Union
+
+from ._errors import HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
+from ._states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "HEADER",
+    "FrameType",
+    "Mode",
+    "CloseCode",
+    "CAP_RDMA",
+    "Hello",
+    "HelloReceived",
+    "TransportSelected",
+    "Data",
+    "Message",
+    "EndOfStream",
+    "ConnectionClosed",
+    "Event",
+    "Connection",
+    "Role",
+    "State",
+    "Half",
+]
+
+MAGIC: Final = b"AIORDMA\n"
+VERSION: Final = (1, 0)
+
+#: type u8, flags u8, reserved u16 (zero), payload length u32 -- network order.
+HEADER: Final = struct.Struct("!BBHI")
+#: version major u8, minor u8, mode u8, pad u8, capabilities u32,
+#: max_message_size u32, max_frame_size u32.
+HELLO_FIXED: Final = struct.Struct("!BBBxIII")
+EXTENSION: Final = struct.Struct("!HH")
+SELECT_FIXED: Final = struct.Struct("!B")
+CLOSE_FIXED: Final = struct.Struct("!H")
+
+#: Largest payload of a control frame (HELLO, SELECT, CLOSE).
+MAX_CONTROL_PAYLOAD: Final = 4096
+#: Largest RDMA-parameters extension in a HELLO.
+MAX_RDMA_PARAMS: Final = 2048
+#: Largest reason text (SELECT, CLOSE, no-RDMA extension), in UTF-8 bytes.
+MAX_REASON: Final = 512
+#: Smallest DATA frame limit a peer may advertise.
+MIN_FRAME_SIZE: Final = 4096
+#: Largest message size anyone may configure or advertise (1 GiB).
+MAX_MESSAGE_SIZE_LIMIT: Final = 1 << 30
+
+DEFAULT_MAX_MESSAGE_SIZE: Final = 16 << 20
+DEFAULT_MAX_FRAME_SIZE: Final = 1 << 20
+DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
+#: Receive buffer: initial size, and the least free room ``get_buffer`` offers.
+RECV_BUFFER_SIZE: Final = 256 << 10
+MIN_RECV_ROOM: Final = 64 << 10
+#: DATA payloads up to this size are copied behind their header into one
+#: bytes object; larger ones are returned as a separate chunk (no copy).
+COALESCE_LIMIT: Final = 16 << 10
+
+CAP_RDMA: Final = 1 << 0
+KNOWN_CAPABILITIES: Final = CAP_RDMA
+
+EXT_RDMA_PARAMS: Final = 1
+EXT_NO_RDMA_REASON: Final = 2
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 0x01
+    SELECT = 0x02
+    DATA = 0x10
+    MESSAGE = 0x11
+    EOF = 0x12
+    CLOSE = 0x13
+
+
+class Mode(enum.IntEnum):
+    """What the connection carries: a byte stream or messages with boundaries."""
+
+    STREAM = 0
+    MESSAGES = 1
+
+
+class CloseCode(enum.IntEnum):
+    NORMAL = 0
+    PROTOCOL_ERROR = 1
+    REFUSED = 2
+    INTERNAL_ERROR = 3
+
+
+Transport: TypeAlias = Literal["tcp", "rdma"]
+_TRANSPORT_CODES: Final[dict[str, int]] = {"tcp": 0, "rdma": 1}
+_TRANSPORT_NAMES: Final[dict[int, Transport]] = {0: "tcp", 1: "rdma"}
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """What one side announces about itself."""
+
+    mode: Mode
+    capabilities: int = 0
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    version: tuple[int, int] = VERSION
+    #: Opaque RDMA connection parameters (see the RDMA transport); present
+    #: exactly when ``capabilities`` has ``CAP_RDMA``.
+    rdma_params: bytes | None = None
+    #: Why this side offers no RDMA (readable; may be absent).
+    no_rdma_reason: str | None = None
+
+    @property
+    def can_rdma(self) -> bool:
+        return bool(self.capabilities & CAP_RDMA)
+
+
+# -- events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSelected:
+    """Server side: the client chose the transport (with its reason for TCP)."""
+
+    transport: Transport
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfStream:
+    """The peer will send no more data (it may still receive)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    code: int
+    reason: str
+
+
+Event: TypeAlias = Union[HelloReceived, TransportSelected, Data, Message, EndOfStream, ConnectionClosed]
+Chunk: TypeAlias = Union[bytes, memoryview]
+
+_END_OF_STREAM: Final = EndOfStream()
+
+
+def _decode_reason(raw: bytes | memoryview, what: str) -> str:
+    if len(raw) > MAX_REASON:
+        raise RemoteProtocolError(f"{what} reason is {len(raw)} bytes, the limit is {MAX_REASON}")
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RemoteProtocolError(f"{what} reason is not valid UTF-8") from exc
+
+
+def _encode_reason(reason: str) -> bytes:
+    raw = reason.encode("utf-8", "replace")
+    if len(raw) > MAX_REASON:
+        # cut at a character boundary
+        raw = raw[:MAX_REASON].decode("utf-8", "ignore").encode("utf-8")
+    return raw
+
+
+def encode_hello(hello: Hello) -> bytes:
+    """The payload of a HELLO frame."""
+    parts = [
+        HELLO_FIXED.pack(
+            hello.version[0],
+            hello.version[1],
+            int(hello.mode),
+            hello.capabilities,
+            hello.max_message_size,
+            hello.max_frame_size,
+        )
+    ]
+    if hello.rdma_params is not None:
+        if len(hello.rdma_params) > MAX_RDMA_PARAMS:
+            raise LocalProtocolError(f"RDMA parameters of {len(hello.rdma_params)} bytes exceed {MAX_RDMA_PARAMS}")
+        parts.append(EXTENSION.pack(EXT_RDMA_PARAMS, len(hello.rdma_params)))
+        parts.append(hello.rdma_params)
+    if hello.no_rdma_reason:
+        raw = _encode_reason(hello.no_rdma_reason)
+        parts.append(EXTENSION.pack(EXT_NO_RDMA_REASON, len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def decode_hello(payload: bytes | memoryview) -> Hello:
+    """Parse and check a HELLO payload; raises :class:`RemoteProtocolError`."""
+    if len(payload) < HELLO_FIXED.size:
+        raise RemoteProtocolError(f"HELLO of {len(payload)} bytes is shorter than {HELLO_FIXED.size}")
+    major, minor, mode, caps, max_msg, max_frame = HELLO_FIXED.unpack_from(payload, 0)
+    if major != VERSION[0]:
+        raise HandshakeError(f"peer speaks aiordma protocol {major}.{minor}, this side speaks {VERSION[0]}.{VERSION[1]}")
+    try:
+        mode_ = Mode(mode)
+    except ValueError:
+        raise RemoteProtocolError(f"HELLO has unknown mode {mode}") from None
+    if max_msg > MAX_MESSAGE_SIZE_LIMIT:
+        raise RemoteProtocolError(f"HELLO max_message_size {max_msg} exceeds {MAX_MESSAGE_SIZE_LIMIT}")
+    if max_frame < MIN_FRAME_SIZE:
+        raise RemoteProtocolError(f"HELLO max_frame_size {max_frame} is below {MIN_FRAME_SIZE}")
+    rdma_params: bytes | None = None
+    reason: str | None = None
+    pos = HELLO_FIXED.size
+    end = len(payload)
+    seen: set[int] = set()
+    while pos < end:
+        if end - pos < EXTENSION.size:
+            raise RemoteProtocolError("HELLO ends inside an extension header")
+        ext_type, ext_len = EXTENSION.unpack_from(payload, pos)
+        pos += EXTENSION.size
+        if ext_len > end - pos:
+            raise RemoteProtocolError(f"HELLO extension {ext_type} claims {ext_len} bytes, {end - pos} remain")
+        value = payload[pos : pos + ext_len]
+        pos += ext_len
+        if ext_type in seen:
+            raise RemoteProtocolError(f"HELLO repeats extension {ext_type}")
+        seen.add(ext_type)
+        if ext_type == EXT_RDMA_PARAMS:
+            if ext_len > MAX_RDMA_PARAMS:
+                raise RemoteProtocolError(f"RDMA parameters of {ext_len} bytes exceed {MAX_RDMA_PARAMS}")
+            rdma_params = bytes(value)
+        elif ext_type == EXT_NO_RDMA_REASON:
+            reason = _decode_reason(value, "no-RDMA")
+        # unknown extensions are skipped: later minor versions may add some
+    if bool(caps & CAP_RDMA) != (rdma_params is not None):
+        raise RemoteProtocolError("HELLO offers RDMA without parameters, or parameters without RDMA")
+    return Hello(
+        mode=mode_,
+        capabilities=caps & KNOWN_CAPABILITIES,
+        max_message_size=max_msg,
+        max_frame_size=max_frame,
+        version=(major, minor),
+        rdma_params=rdma_params,
+        no_rdma_reason=reason,
+    )
+
+
+def frame(ftype: FrameType, payload: bytes = b"") -> bytes:
+    """One complete frame (header and payload) as bytes."""
+    return HEADER.pack(ftype, 0, 0, len(payload)) + payload
+
+
+_CONTROL_LIMITS: Final[dict[int, int]] = {
+    FrameType.HELLO: MAX_CONTROL_PAYLOAD,
+    FrameType.SELECT: SELECT_FIXED.size + MAX_REASON,
+    FrameType.EOF: 0,
+    FrameType.CLOSE: CLOSE_FIXED.size + MAX_REASON,
+}
+
+
+class Connection:
+    """One side of an aiordma connection, without I/O.
+
+    Feed it what the peer sent with :meth:`receive_data` (or
+    :meth:`get_buffer`/:meth:`buffer_updated`), and :meth:`receive_eof` when the
+    byte transport ends; write out, in order, whatever its ``send_*`` methods
+    return.  Methods raise :class:`LocalProtocolError` for calls the protocol
+    does not allow in the current state (nothing is sent and the connection
+    stays usable), and :class:`RemoteProtocolError` / :class:`HandshakeError`
+    when the peer broke the protocol (the connection is then closed: send the
+    bytes of :meth:`close` if you can, and drop it).
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        mode: Mode,
+        *,
+        now: float,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    ) -> None:
+        if not 0 <= max_message_size <= MAX_MESSAGE_SIZE_LIMIT:
+            raise ValueError(f"max_message_size must be between 0 and {MAX_MESSAGE_SIZE_LIMIT}")
+        if not MIN_FRAME_SIZE <= max_frame_size <= MAX_MESSAGE_SIZE_LIMIT:
+            raise ValueError(f"max_frame_size must be between {MIN_FRAME_SIZE} and {MAX_MESSAGE_SIZE_LIMIT}")
+        self.role = role
+        self.mode = mode
+        self.max_message_size = max_message_size
+        self.max_frame_size = max_frame_size
+        self.state = State.IDLE
+        self.send_half = Half.OPEN
+        self.recv_half = Half.OPEN
+        self.handshake_deadline: float | None = now + handshake_timeout
+        self.local_hello: Hello | None = None
+        self.peer_hello: Hello | None = None
+        self.transport: Transport | None = None
+        self.transport_reason = ""
+        self.close_sent = False
+        self.close_received: ConnectionClosed | None = None
+        self._error: Exception | None = None
+        # limits for what we send, from the peer's HELLO
+        self._peer_max_message = 0
+        self._peer_max_frame = MIN_FRAME_SIZE
+        # receive buffer: bytes [_start:_end] are unparsed; never resized in
+        # place (a view lent by get_buffer may still be alive), only replaced
+        self._buf = bytearray(RECV_BUFFER_SIZE)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._magic_left = len(MAGIC)
+        self._data_left = 0  # payload bytes left in the current DATA frame
+
+    # -- state machinery ---------------------------------------------------
+
+    def _step(self, what: Input, remote: bool) -> None:
+        new = HANDSHAKE.get((self.role, self.state, what))
+        if new is None:
+            err_type = RemoteProtocolError if remote else LocalProtocolError
+            err = err_type(f"{what.value} is not allowed in state {self.state.value} ({self.role.value})")
+            if remote:
+                self._fail(err)
+            raise err
+        self.state = new
+
+    def _half_step(self, half: Half, what: HalfInput, remote: bool) -> Half:
+        new = HALF.get((half, what))
+        if new is None:
+            direction = "receive" if remote else "send"
+            if self.state is not State.OPEN:
+                text = f"cannot {direction} {what.value} in state {self.state.value}"
+            else:
+                text = f"cannot {direction} {what.value} after {half.value} in that direction"
+            if remote:
+                err: Exception = RemoteProtocolError(text)
+                self._fail(err)
+                raise err
+            raise LocalProtocolError(text)
+        return new
+
+    def _fail(self, err: Exception) -> None:
+        self._error = err
+        self.state = State.CLOSED
+        self.send_half = Half.CLOSED
+        self.recv_half = Half.CLOSED
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RemoteProtocolError(f"the connection already failed: {self._error}")
+
+    # -- timers ------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`handle_timer` must be called next (``None``: never)."""
+        return self.handshake_deadline
+
+    def handle_timer(self, now: float) -> None:
+        """Raise :class:`HandshakeTimeoutError` if the handshake is overdue."""
+        if self.handshake_deadline is not None and now >= self.handshake_deadline:
+            err = HandshakeTimeoutError(f"the handshake did not complete in time (state {self.state.value})")
+            self._fail(err)
+            raise err
+
+    # -- handshake ---------------------------------------------------------
+
+    def send_hello(
+        self,
+        *,
+        capabilities: int = 0,
+        rdma_params: bytes | None = None,
+        no_rdma_reason: str | None = None,
+    ) -> bytes:
+        """Our magic and HELLO: a client's first bytes, or a server's answer."""
+        self._check_alive()
+        hello = Hello(
+            mode=self.mode,
+            capabilities=capabilities,
+            max_message_size=self.max_message_size,
+            max_frame_size=self.max_frame_size,
+            rdma_params=rdma_params,
+            no_rdma_reason=no_rdma_reason,
+        )
+        if hello.can_rdma != (rdma_params is not None):
+            raise LocalProtocolError("offer RDMA exactly when RDMA parameters are given")
+        payload = encode_hello(hello)
+        self._step(Input.SEND_HELLO, remote=False)
+        self.local_hello = hello
+        return MAGIC + frame(FrameType.HELLO, payload)
+
+    def select(self, transport: Transport, reason: str = "") -> bytes:
+        """Client: choose the transport for the data (after the peer's HELLO)."""
+        self._check_alive()
+        if transport not in _TRANSPORT_CODES:
+            raise LocalProtocolError(f"unknown transport {transport!r}")
+        if transport == "rdma" and not (
+            self.peer_hello and self.peer_hello.can_rdma and self.local_hello and self.local_hello.can_rdma
+        ):
+            raise LocalProtocolError("cannot select RDMA: it was not offered by both sides")
+        self._step(Input.SEND_SELECT, remote=False)
+        self._opened(transport, reason)
+        return frame(FrameType.SELECT, SELECT_FIXED.pack(_TRANSPORT_CODES[transport]) + _encode_reason(reason))
+
+    def _opened(self, transport: Transport, reason: str) -> None:
+        self.transport = transport
+        self.transport_reason = reason
+        self.handshake_deadline = None
+
+    # -- sending -----------------------------------------------------------
+
+    def send_data(self, data: bytes | bytearray | memoryview) -> list[Chunk]:
+        """Frame stream bytes; returns the chunks to write, in order."""
+        if self.state is not State.OPEN or self.send_half is not Half.OPEN or self.mode is not Mode.STREAM:
+            self._check_alive()
+            if self.mode is not Mode.STREAM:
+                raise LocalProtocolError("send_data on a message connection")
+            if self.state is not State.OPEN:
+                raise LocalProtocolError(f"cannot send data in state {self.state.value}")
+            self._half_step(self.send_half, HalfInput.DATA, remote=False)
+        n = len(data)
+        limit = self._peer_max_frame
+        if n <= COALESCE_LIMIT:
+            return [HEADER.pack(FrameType.DATA, 0, 0, n) + data] if n else []
+        view = memoryview(data).cast("B")
+        out: list[Chunk] = []
+        for pos in range(0, n, limit):
+            piece = view[pos : pos + limit]
+            out.append(HEADER.pack(FrameType.DATA, 0, 0, len(piece)))
+            out.append(piece)
+        return out
+
+    def send_message(self, data: bytes | bytearray | memoryview) -> list[Chunk]:
+        """Frame one message; raises :class:`LocalProtocolError` if it is larger than the peer accepts."""
+        if self.mode is not Mode.MESSAGES:
+            raise LocalProtocolError("send_message on a byte-stream connection")
+        if self.state is not State.OPEN or self.send_half is not Half.OPEN:
+            self._check_alive()
+            if self.state is not State.OPEN:
+                raise LocalProtocolError(f"cannot send a message in state {self.state.value}")
+            self._half_step(self.send_half, HalfInput.MESSAGE, remote=False)
+        n = len(data)
+        if n > self._peer_max_message:
+            raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {self._peer_max_message}")
+        if n <= COALESCE_LIMIT:
+            return [HEADER.pack(FrameType.MESSAGE, 0, 0, n) + data]
+        return [HEADER.pack(FrameType.MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
+
+    def send_eof(self) -> bytes:
+        """Half-close: we send no more data; the peer may still send."""
+        self._check_alive()
+        if self.state is not State.OPEN:
+            raise LocalProtocolError(f"cannot send EOF in state {self.state.value}")
+        self.send_half = self._half_step(self.send_half, HalfInput.EOF, remote=False)
+        return frame(FrameType.EOF)
+
+    def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> bytes:
+        """The CLOSE frame to send, or ``b""`` if a CLOSE already went either way."""
+        if self.close_sent or self.close_received is not None:
+            self.state = State.CLOSED
+            return b""
+        if self._error is None:
+            self._step(Input.SEND_CLOSE, remote=False)
+        self.close_sent = True
+        self.send_half = Half.CLOSED
+        self.recv_half = Half.CLOSED
+        self.handshake_deadline = None
+        return frame(FrameType.CLOSE, CLOSE_FIXED.pack(code) + _encode_reason(reason))
+
+    # -- receiving ---------------------------------------------------------
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable view to receive into; pass the count to :meth:`buffer_updated`."""
+        self._reserve(max(sizehint, MIN_RECV_ROOM))
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Event]:
+        if not 0 <= nbytes <= len(self._buf) - self._end:
+            raise ValueError("nbytes is larger than the buffer lent by get_buffer")
+        self._end += nbytes
+        return self._parse()
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        """Feed bytes from the peer; returns the events they complete."""
+        n = len(data)
+        if not n:
+            return []
+        self._reserve(n)
+        self._buf[self._end : self._end + n] = data
+        self._end += n
+        return self._parse()
+
+    def receive_eof(self) -> list[Event]:
+        """The byte transport from the peer ended (TCP FIN or connection loss)."""
+        if self.close_received is not None or self.close_sent:
+            return []
+        self._check_alive()
+        pending = self._end - self._start
+        if self._data_left or pending:
+            err = RemoteProtocolError(
+                f"the peer closed the connection in the middle of a frame "
+                f"({self._data_left or pending} bytes of it outstanding)"
+            )
+        elif self.state is not State.OPEN:
+            err = HandshakeError(f"the peer closed the connection during the handshake (state {self.state.value})")
+        else:
+            err = RemoteProtocolError("the peer closed the connection without a CLOSE frame")
+        self._fail(err)
+        raise err
+
+    def _reserve(self, room: int) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        if len(self._buf) - self._end >= room:
+            return
+        pending = self._end - self._start
+        if self._start and len(self._buf) - pending >= room:
+            # compact in place: same size, so allowed with views outstanding
+            self._buf[0:pending] = self._buf[self._start : self._end]
+        else:
+            new = bytearray(max(len(self._buf), pending + room))
+            new[0:pending] = self._buf[self._start : self._end]
+            self._buf = new
+            self._view = memoryview(new)
+        self._start = 0
+        self._end = pending
+
+    def _shrink(self) -> None:
+        # after a large message, go back to the normal size once all is parsed
+        if len(self._buf) > RECV_BUFFER_SIZE and self._start == self._end:
+            self._buf = bytearray(RECV_BUFFER_SIZE)
+            self._view = memoryview(self._buf)
+            self._start = self._end = 0
+
+    def _parse(self) -> list[Event]:
+        self._check_alive()
+        events: list[Event] = []
+        view = self._view
+        pos = self._start
+        end = self._end
+        try:
+            if self._magic_left:
+                pos = self._parse_magic(pos, end)
+                if self._magic_left:
+                    return events
+            while pos < end:
+                if self._data_left:
+                    take = min(self._data_left, end - pos)
+                    events.append(Data(bytes(view[pos : pos + take])))
+                    self._data_left -= take
+                    pos += take
+                    continue
+                if end - pos < HEADER.size:
+                    break
+                ftype, flags, reserved, length = HEADER.unpack_from(view, pos)
+                if ftype == FrameType.DATA and self.recv_half is Half.OPEN and self.mode is Mode.STREAM:
+                    if flags or reserved:
+                        self._bad_header(ftype, flags, reserved)
+                    if length > self.max_frame_size:
+                        raise RemoteProtocolError(f"DATA frame of {length} bytes exceeds the limit {self.max_frame_size}")
+                    if self.state is not State.OPEN:
+                        self._half_step(Half.CLOSED, HalfInput.DATA, remote=True)
+                    pos += HEADER.size
+                    self._data_left = length
+                    continue
+                if flags or reserved:
+                    self._bad_header(ftype, flags, reserved)
+                if ftype == FrameType.DATA:
+                    # refused by the fast path: wrong mode or state; raises
+                    self._handle_frame(FrameType.DATA, view[0:0])
+                limit = self._frame_limit(ftype)
+                if length > limit:
+                    raise RemoteProtocolError(
+                        f"{FrameType(ftype).name} frame of {length} bytes exceeds the limit {limit}"
+                    )
+                if end - pos < HEADER.size + length:
+                    # wait for the rest; make room for it (bounded by the check above)
+                    self._start = pos
+                    self._reserve(HEADER.size + length - (end - pos))
+                    pos = self._start
+                    return events
+                payload = view[pos + HEADER.size : pos + HEADER.size + length]
+                pos += HEADER.size + length
+                event = self._handle_frame(FrameType(ftype), payload)
+                if event is not None:
+                    events.append(event)
+        finally:
+            if self._error is None:
+                self._start = pos
+                if pos == self._end:
+                    self._start = self._end = 0
+                self._shrink()
+        return events
+
+    def _parse_magic(self, pos: int, end: int) -> int:
+        offset = len(MAGIC) - self._magic_left
+        take = min(self._magic_left, end - pos)
+        got = bytes(self._view[pos : pos + take])
+        if got != MAGIC[offset : offset + take]:
+            err = HandshakeError(f"the peer does not speak aiordma (it sent {got!r} where {MAGIC!r} was expected)")
+            self._fail(err)
+            raise err
+        self._magic_left -= take
+        return pos + take
+
+    def _bad_header(self, ftype: int, flags: int, reserved: int) -> None:
+        err = RemoteProtocolError(f"frame type {ftype:#x} has flags {flags:#x} / reserved {reserved:#x}, both must be 0")
+        self._fail(err)
+        raise err
+
+    def _frame_limit(self, ftype: int) -> int:
+        if ftype == FrameType.MESSAGE:
+            return self.max_message_size
+        if ftype == FrameType.DATA:
+            return self.max_frame_size
+        limit = _CONTROL_LIMITS.get(ftype)
+        if limit is None:
+            err = RemoteProtocolError(f"unknown frame type {ftype:#x}")
+            self._fail(err)
+            raise err
+        return limit
+
+    def _handle_frame(self, ftype: FrameType, payload: memoryview) -> Event | None:
+        try:
+            return self._dispatch(ftype, payload)
+        except (RemoteProtocolError, HandshakeError) as err:
+            if self._error is None:
+                self._fail(err)
+            raise
+
+    def _dispatch(self, ftype: FrameType, payload: memoryview) -> Event | None:
+        if ftype is FrameType.MESSAGE:
+            if self.mode is not Mode.MESSAGES:
+                raise RemoteProtocolError("MESSAGE frame on a byte-stream connection")
+            if self.state is not State.OPEN:
+                self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
+            self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
+            return Message(bytes(payload))
+        if ftype is FrameType.DATA:
+            # only reached when the fast path refused it: wrong mode or state
+            if self.mode is not Mode.STREAM:
+                raise RemoteProtocolError("DATA frame on a message connection")
+            self._half_step(self.recv_half if self.state is State.OPEN else Half.CLOSED, HalfInput.DATA, remote=True)
+            raise AssertionError("unreachable")  # pragma: no cover
+        if ftype is FrameType.EOF:
+            if self.state is not State.OPEN:
+                self._half_step(Half.CLOSED, HalfInput.EOF, remote=True)
+            self.recv_half = self._half_step(self.recv_half, HalfInput.EOF, remote=True)
+            return _END_OF_STREAM
+        if ftype is FrameType.CLOSE:
+            if len(payload) < CLOSE_FIXED.size:
+                raise RemoteProtocolError("CLOSE frame shorter than its code")
+            (code,) = CLOSE_FIXED.unpack_from(payload, 0)
+            reason = _decode_reason(payload[CLOSE_FIXED.size :], "CLOSE")
+            self._step(Input.RECV_CLOSE, remote=True)
+            self.handshake_deadline = None
+            self.send_half = Half.CLOSED
+            self.recv_half = Half.CLOSED
+            self.close_received = ConnectionClosed(code, reason)
+            return self.close_received
+        if ftype is FrameType.HELLO:
+            hello = decode_hello(payload)
+            if hello.mode is not self.mode:
+                raise HandshakeError(
+                    f"the peer is a {_MODE_NAMES[hello.mode]} endpoint, this side is a {_MODE_NAMES[self.mode]}"
+                )
+            self._step(Input.RECV_HELLO, remote=True)
+            self.peer_hello = hello
+            self._peer_max_message = hello.max_message_size
+            self._peer_max_frame = hello.max_frame_size
+            return HelloReceived(hello)
+        if ftype is FrameType.SELECT:
+            if len(payload) < SELECT_FIXED.size:
+                raise RemoteProtocolError("SELECT frame is empty")
+            (code,) = SELECT_FIXED.unpack_from(payload, 0)
+            transport = _TRANSPORT_NAMES.get(code)
+            if transport is None:
+                raise RemoteProtocolError(f"SELECT names unknown transport {code}")
+            reason = _decode_reason(payload[SELECT_FIXED.size :], "SELECT")
+            self._step(Input.RECV_SELECT, remote=True)
+            if transport == "rdma" and not (
+                self.local_hello and self.local_hello.can_rdma and self.peer_hello and self.peer_hello.can_rdma
+            ):
+                raise RemoteProtocolError("the peer selected RDMA, which was not offered by both sides")
+            self._opened(transport, reason)
+            return TransportSelected(transport, reason)
+        raise RemoteProtocolError(f"unexpected frame {ftype.name}")  # pragma: no cover
+
+
+_MODE_NAMES: Final = {Mode.STREAM: "byte-stream", Mode.MESSAGES: "message-channel"}

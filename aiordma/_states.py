@@ -1,0 +1,95 @@
+"""Every state machine of the aiordma protocol, as data.
+
+Two tables drive :class:`aiordma._protocol.Connection`:
+
+* ``HANDSHAKE`` -- the connection as a whole, from the first byte to ``OPEN`` and
+  ``CLOSED``.  A client sends HELLO, reads the server's HELLO and then SELECTs
+  the transport; a server reads HELLO, answers with its own and waits for the
+  client's SELECT.
+* ``HALF`` -- once open, each direction (what we send, what we receive) is a
+  half of its own: ``OPEN`` until an EOF frame passes, ``EOF`` after it, and
+  ``CLOSED`` after a CLOSE frame.
+
+A pair (state, input) that is not in a table is a protocol violation: the
+connection code turns it into a :class:`~aiordma.LocalProtocolError` when the
+input came from this side and a :class:`~aiordma.RemoteProtocolError` when it
+came from the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(enum.Enum):
+    """States of the connection as a whole."""
+
+    IDLE = "idle"  # nothing sent or received yet
+    AWAIT_HELLO = "await-hello"  # we wait for the peer's HELLO
+    SELECTING = "selecting"  # client: HELLOs exchanged, transport not chosen yet
+    HELLO_RECEIVED = "hello-received"  # server: client's HELLO read, ours not sent yet
+    AWAIT_SELECT = "await-select"  # server: waits for the client's SELECT
+    OPEN = "open"  # data may flow (each direction has its own HALF state)
+    CLOSED = "closed"  # a CLOSE frame went one way or the other, or an error
+
+
+class Input(enum.Enum):
+    """What can happen to the connection as a whole."""
+
+    SEND_HELLO = "send HELLO"
+    RECV_HELLO = "receive HELLO"
+    SEND_SELECT = "send SELECT"
+    RECV_SELECT = "receive SELECT"
+    SEND_CLOSE = "send CLOSE"
+    RECV_CLOSE = "receive CLOSE"
+    FAIL = "fail"
+
+
+HANDSHAKE: Final[dict[tuple[Role, State, Input], State]] = {
+    # client: HELLO -> (peer HELLO) -> SELECT -> OPEN
+    (Role.CLIENT, State.IDLE, Input.SEND_HELLO): State.AWAIT_HELLO,
+    (Role.CLIENT, State.AWAIT_HELLO, Input.RECV_HELLO): State.SELECTING,
+    (Role.CLIENT, State.SELECTING, Input.SEND_SELECT): State.OPEN,
+    # server: (peer HELLO) -> HELLO -> (peer SELECT) -> OPEN
+    (Role.SERVER, State.IDLE, Input.RECV_HELLO): State.HELLO_RECEIVED,
+    (Role.SERVER, State.HELLO_RECEIVED, Input.SEND_HELLO): State.AWAIT_SELECT,
+    (Role.SERVER, State.AWAIT_SELECT, Input.RECV_SELECT): State.OPEN,
+}
+# Either side may close (or fail) at any point, including in the middle of the
+# handshake: a server that refuses a client sends CLOSE instead of HELLO.
+for _role in Role:
+    for _state in State:
+        if _state is not State.CLOSED:
+            HANDSHAKE[(_role, _state, Input.SEND_CLOSE)] = State.CLOSED
+            HANDSHAKE[(_role, _state, Input.RECV_CLOSE)] = State.CLOSED
+        HANDSHAKE[(_role, _state, Input.FAIL)] = State.CLOSED
+
+
+class Half(enum.Enum):
+    """State of one direction of an open connection."""
+
+    OPEN = "open"
+    EOF = "eof"  # EOF passed: no more data this way
+    CLOSED = "closed"
+
+
+class HalfInput(enum.Enum):
+    DATA = "data"
+    MESSAGE = "message"
+    EOF = "EOF"
+    CLOSE = "CLOSE"
+
+
+HALF: Final[dict[tuple[Half, HalfInput], Half]] = {
+    (Half.OPEN, HalfInput.DATA): Half.OPEN,
+    (Half.OPEN, HalfInput.MESSAGE): Half.OPEN,
+    (Half.OPEN, HalfInput.EOF): Half.EOF,
+    (Half.OPEN, HalfInput.CLOSE): Half.CLOSED,
+    (Half.EOF, HalfInput.CLOSE): Half.CLOSED,
+}

@@ -1,0 +1,381 @@
+"""The asyncio front end: ``open_connection`` and ``start_server`` like asyncio's.
+
+The reader and writer have the methods of ``asyncio.StreamReader`` and
+``asyncio.StreamWriter`` and raise what those raise:
+``asyncio.IncompleteReadError`` (EOF before ``readexactly``/``readuntil`` were
+satisfied), ``asyncio.LimitOverrunError`` (``readuntil`` past ``limit``),
+``ConnectionResetError`` (the connection failed or the peer broke the
+protocol; ``__cause__`` tells how).  As with asyncio, ``write`` never raises for
+a lost connection: ``drain`` does.
+
+These run under asyncio (and uvloop) only; under trio use :func:`aiordma.connect`.
+Extra info: ``writer.get_extra_info("aiordma_transport")`` is ``"tcp"`` or
+``"rdma"``, ``"aiordma_fallback_reason"`` says why TCP; the usual names
+(``peername``, ``sockname``, ``socket``, ``ssl_object``...) come from the TCP transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as _ssl
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import anyio
+
+from ._api import Options, _discard, _open, make_options
+from ._core import Core
+from ._errors import HandshakeError, LocalProtocolError, RDMAUnavailableError
+from ._links import AsyncioLink
+from ._negotiate import local_offer, server_handshake
+from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Half, Mode, Role
+
+__all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
+
+log = logging.getLogger("aiordma")
+
+_DEFAULT_LIMIT = 2**16
+
+
+def _reset(core: Core) -> ConnectionResetError:
+    err = ConnectionResetError(f"the connection is broken: {core.error}")
+    err.__cause__ = core.error
+    return err
+
+
+class StreamReader:
+    """Reads a byte stream; the interface of ``asyncio.StreamReader``.
+
+    Bytes that arrived before an error or EOF are always returned first.
+    """
+
+    def __init__(self, core: Core, limit: int = _DEFAULT_LIMIT) -> None:
+        if limit <= 0:
+            raise ValueError("Limit cannot be <= 0")
+        self._core = core
+        self._link = core.link
+        self._limit = limit
+
+    def exception(self) -> BaseException | None:
+        return self._core.error
+
+    def at_eof(self) -> bool:
+        core = self._core
+        return not core.rbuf and (core.peer_eof or core.closed or core.error is not None)
+
+    async def _wait(self) -> bool:
+        """Wait for more bytes; False when none will come, ConnectionResetError on failure."""
+        core = self._core
+        if core.peer_eof or core.closed:
+            return False
+        if core.error is not None:
+            raise _reset(core)
+        await self._link.wait_incoming()
+        return True
+
+    def _take(self, n: int) -> bytes:
+        rbuf = self._core.rbuf
+        if n >= len(rbuf):
+            data = bytes(rbuf)
+            rbuf.clear()
+        else:
+            data = bytes(rbuf[:n])
+            del rbuf[:n]
+        self._link.consumed()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        if n == 0:
+            return b""
+        rbuf = self._core.rbuf
+        if n < 0:
+            while await self._wait():
+                pass
+            return self._take(len(rbuf))
+        while not rbuf:
+            if not await self._wait():
+                return b""
+        return self._take(n)
+
+    async def readexactly(self, n: int) -> bytes:
+        if n < 0:
+            raise ValueError("readexactly size can not be less than zero")
+        rbuf = self._core.rbuf
+        while len(rbuf) < n:
+            if not await self._wait():
+                partial = self._take(len(rbuf))
+                raise asyncio.IncompleteReadError(partial, n)
+        return self._take(n)
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        seplen = len(separator)
+        if seplen == 0:
+            raise ValueError("Separator should be at least one-byte string")
+        rbuf = self._core.rbuf
+        offset = 0
+        while True:
+            buflen = len(rbuf)
+            if buflen - offset >= seplen:
+                isep = rbuf.find(separator, offset)
+                if isep != -1:
+                    break
+                offset = buflen + 1 - seplen
+                if offset > self._limit:
+                    raise asyncio.LimitOverrunError("Separator is not found, and chunk exceed the limit", offset)
+            if not await self._wait():
+                partial = self._take(len(rbuf))
+                raise asyncio.IncompleteReadError(partial, None)
+        if isep > self._limit:
+            raise asyncio.LimitOverrunError("Separator is found, but chunk is longer than limit", isep)
+        return self._take(isep + seplen)
+
+    async def readline(self) -> bytes:
+        try:
+            return await self.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial
+        except asyncio.LimitOverrunError as exc:
+            rbuf = self._core.rbuf
+            if rbuf.startswith(b"\n", exc.consumed):
+                del rbuf[: exc.consumed + 1]
+            else:
+                rbuf.clear()
+            self._link.consumed()
+            raise ValueError(exc.args[0]) from exc
+
+    def __aiter__(self) -> StreamReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        line = await self.readline()
+        if line == b"":
+            raise StopAsyncIteration
+        return line
+
+
+class StreamWriter:
+    """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
+
+    def __init__(self, core: Core, link: AsyncioLink, reader: StreamReader) -> None:
+        self._core = core
+        self._link = link
+        self._reader = reader
+        self._proto = core.proto
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        core = self._core
+        if self._proto.send_half is Half.EOF:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if core.closed or core.error is not None or self._link.lost or core.peer_close is not None:
+            return  # as with asyncio: drain() reports the lost connection
+        self._link.write_nowait(self._proto.send_data(data))
+
+    def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
+        for chunk in data:
+            self.write(chunk)
+
+    async def drain(self) -> None:
+        core = self._core
+        if core.error is not None:
+            raise _reset(core)
+        if self._link.lost or core.peer_close is not None:
+            raise ConnectionResetError("Connection lost")
+        await self._link.drain()
+        if self._link.lost:
+            if core.error is not None:
+                raise _reset(core)
+            raise ConnectionResetError("Connection lost")
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        core = self._core
+        if core.closed or self._link.lost or self._proto.send_half is not Half.OPEN:
+            return
+        try:
+            frame = self._proto.send_eof()
+        except LocalProtocolError:  # pragma: no cover - guarded above
+            return
+        self._link.write_nowait([frame])
+
+    def close(self) -> None:
+        core = self._core
+        if core.closed:
+            return
+        core.closed = True
+        self._link.close_nowait(self._proto.close() if core.error is None else b"")
+
+    def is_closing(self) -> bool:
+        return self._core.closed or self._link.lost
+
+    async def wait_closed(self) -> None:
+        await self._link.wait_closed()
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None:
+        """The TCP transport underneath (writing to it directly breaks the framing)."""
+        return self._link.transport
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        core = self._core
+        if name == "aiordma_transport":
+            return core.transport
+        if name == "aiordma_fallback_reason":
+            return core.fallback_reason
+        if name == "aiordma_mode":
+            return "stream" if self._proto.mode is Mode.STREAM else "messages"
+        transport = self._link.transport
+        if transport is None:
+            return default
+        return transport.get_extra_info(name, default)
+
+    def __repr__(self) -> str:
+        return f"<aiordma.asyncio.StreamWriter transport={self._core.transport}>"
+
+
+def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
+    link = core.link
+    assert isinstance(link, AsyncioLink)
+    reader = StreamReader(core, limit)
+    return reader, StreamWriter(core, link, reader)
+
+
+async def open_connection(
+    host: str,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    limit: int = _DEFAULT_LIMIT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> tuple[StreamReader, StreamWriter]:
+    """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
+
+    Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
+    ``readuntil``/``readline`` limit as in asyncio.
+    """
+    opts = make_options(transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False)
+    try:
+        core = await _open(host, port, Mode.STREAM, opts)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        raise ConnectionResetError(f"the connection failed during the handshake: {exc}") from exc
+    return _pair(core, limit)
+
+
+ClientConnectedCallback = Callable[[StreamReader, StreamWriter], Awaitable[None] | None]
+
+
+class Server:
+    """A listening aiordma server; used like ``asyncio.Server``.
+
+    ``close()`` stops listening; ``wait_closed()`` then waits for the
+    handlers of accepted connections to finish.  A handler's exception is
+    reported through the loop's exception handler (as asyncio does) and its
+    connection is closed.
+    """
+
+    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]]) -> None:
+        self._server = server
+        self._tasks = tasks
+
+    @property
+    def sockets(self) -> tuple[Any, ...]:
+        return tuple(self._server.sockets)
+
+    @property
+    def addresses(self) -> list[Any]:
+        return [sock.getsockname() for sock in self._server.sockets]
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._server.get_loop()
+
+    def is_serving(self) -> bool:
+        return self._server.is_serving()
+
+    async def start_serving(self) -> None:
+        await self._server.start_serving()
+
+    async def serve_forever(self) -> None:
+        await self._server.serve_forever()
+
+    def close(self) -> None:
+        self._server.close()
+
+    async def wait_closed(self) -> None:
+        await self._server.wait_closed()
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def start_server(
+    client_connected_cb: ClientConnectedCallback,
+    host: str | None = None,
+    port: int | None = None,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | None = None,
+    limit: int = _DEFAULT_LIMIT,
+    backlog: int = 100,
+    start_serving: bool = True,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> Server:
+    """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
+    runs (in a task) for each client once its handshake completed."""
+    opts: Options = make_options(transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True)
+    local_offer(opts.transport, "server", tls=ssl is not None)  # strict policy: fail now
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def serve_one(link: AsyncioLink) -> None:
+        core = link.core
+        try:
+            await server_handshake(core, opts.transport, tls=ssl is not None)
+        except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
+            log.info("aiordma: dropped a client during the handshake: %s", exc)
+            await _discard(core)
+            return
+        except BaseException:
+            await _discard(core)
+            raise
+        reader, writer = _pair(core, limit)
+        try:
+            result = client_connected_cb(reader, writer)
+            if result is not None:
+                await result
+        except Exception as exc:
+            loop.call_exception_handler(
+                {"message": "Unhandled exception in client_connected_cb", "exception": exc, "transport": link.transport}
+            )
+            writer.close()
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
+
+    def on_made(link: AsyncioLink) -> None:
+        task = loop.create_task(serve_one(link))
+        tasks.add(task)
+        task.add_done_callback(done)
+
+    server = await loop.create_server(
+        lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
+        host,
+        port,
+        ssl=ssl,
+        backlog=backlog,
+        start_serving=start_serving,
+    )
+    return Server(server, tasks)

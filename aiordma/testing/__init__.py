@@ -1,0 +1,1 @@
+"""Tools for testing aiordma: the Soft-RoCE VM runner lives in :mod:`aiordma.testing.vm`."""
