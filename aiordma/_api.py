@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl as _ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -239,9 +239,11 @@ async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
             server_hostname=opts.server_hostname if tls else None,
         )
     else:
-        stream: ByteStream = await anyio.connect_tcp(
-            host, port, ssl_context=opts.ssl, tls=tls, tls_hostname=opts.server_hostname
-        )
+        stream: ByteStream
+        if opts.ssl is not None:
+            stream = await anyio.connect_tcp(host, port, ssl_context=opts.ssl, tls_hostname=opts.server_hostname)
+        else:
+            stream = await anyio.connect_tcp(host, port)
         link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
     core = link.core
     try:
@@ -301,7 +303,7 @@ async def connect_channel(
 class _Acceptor:
     """Accepts TCP connections and turns each into a Link (backend specific)."""
 
-    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -329,9 +331,9 @@ class _AsyncioAcceptor(_Acceptor):
         )
         return cls(server, queue)
 
-    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
         while True:
-            link = await self._queue.get()
+            link: Link = await self._queue.get()
             task_group.start_soon(handle, link)
 
     async def aclose(self) -> None:
@@ -359,7 +361,7 @@ class _AnyioAcceptor(_Acceptor):
             listener = TLSListener(tcp, opts.ssl, standard_compatible=False)
         return cls(listener, mode, opts, addresses)
 
-    async def serve(self, handle: Callable[[Link], Awaitable[None]], task_group: TaskGroup) -> None:
+    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
         async def accepted(stream: ByteStream) -> None:
             await handle(StreamLink(stream, self._opts.protocol(Role.SERVER, self._mode, anyio.current_time())))
 

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
@@ -73,7 +73,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._loop = loop
         self._on_made = on_made
         self.transport: asyncio.BaseTransport | None = None
-        self._writer: asyncio.WriteTransport | None = None
+        self._writer: asyncio.Transport | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused_writing = False
@@ -86,8 +86,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        assert isinstance(transport, asyncio.WriteTransport)
-        self._writer = transport
+        # uvloop's transports are not subclasses of asyncio's: rely on the methods
+        self._writer = cast(asyncio.Transport, transport)
         if self._on_made is not None:
             self._on_made(self)
 
@@ -143,14 +143,14 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 fut.set_result(None)
 
     def _pause_reading(self) -> None:
-        if isinstance(self.transport, asyncio.ReadTransport) and not self.lost:
-            self.transport.pause_reading()
+        if self._writer is not None and not self.lost:
+            self._writer.pause_reading()
             self._paused_reading = True
 
     def _resume_reading(self) -> None:
         self._paused_reading = False
-        if isinstance(self.transport, asyncio.ReadTransport) and not self.lost:
-            self.transport.resume_reading()
+        if self._writer is not None and not self.lost:
+            self._writer.resume_reading()
 
     def _fail(self, exc: Exception) -> None:
         """The peer broke the protocol: tell it why and hang up."""
@@ -218,8 +218,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._wake()
 
     def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        if self._writer is not None:
+            self._writer.abort()
         self._wake()
 
     async def wait_closed(self) -> None:
@@ -318,8 +318,7 @@ class StreamLink(Link):
 
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
-        attrs = dict(self.stream.extra_attributes)
-        return attrs
+        return self.stream.extra_attributes
 
 
 def tune_socket(sock: socket.socket | None) -> None:

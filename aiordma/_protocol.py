@@ -529,6 +529,7 @@ class Connection:
             return []
         self._check_alive()
         pending = self._end - self._start
+        err: Exception
         if self._data_left or pending:
             err = RemoteProtocolError(
                 f"the peer closed the connection in the middle of a frame "

@@ -373,7 +373,7 @@ async def start_server(
     server = await loop.create_server(
         lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
         host,
-        port,
+        port or 0,
         ssl=ssl,
         backlog=backlog,
         start_serving=start_serving,

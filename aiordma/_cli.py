@@ -1,0 +1,641 @@
+"""The ``aiordma`` command: ``aiordma info`` and ``aiordma demo``.
+
+``aiordma info`` tells what this host has (versions, the native verbs module,
+RDMA devices with their ports and GIDs from sysfs) and which transport
+``transport="auto"`` would use here, and why.  ``--json`` prints the same as
+one JSON object.
+
+``aiordma demo`` runs a byte-stream listener and a channel listener on
+127.0.0.1 in this process, connects a client to each, checks that bytes and
+messages come back intact (message boundaries, the empty message included),
+and prints the transport, the fallback reason and a few figures: 64 B round
+trip latency, byte-stream throughput and message rate.  It exits with 1 when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+from anyio import EndOfStream
+from anyio.abc import TaskGroup
+
+__all__ = ["main", "build_parser", "collect_info", "read_rdma_devices"]
+
+SYSFS_IB = "/sys/class/infiniband"
+ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+MiB = 1 << 20
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+# -- info ----------------------------------------------------------------------
+
+
+@dataclass
+class Gid:
+    index: int
+    gid: str
+    type: str | None
+    netdev: str | None
+
+
+@dataclass
+class Port:
+    port: int
+    state: str | None
+    link_layer: str | None
+    gids: list[Gid] = field(default_factory=list)
+
+
+@dataclass
+class Device:
+    name: str
+    node_type: str | None
+    ports: list[Port] = field(default_factory=list)
+
+
+def _read(path: str) -> str | None:
+    """The stripped text of a sysfs file, or None when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip() or None
+    except OSError:  # missing, or EINVAL for an unpopulated GID entry
+        return None
+
+
+def _numeric_entries(path: str) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def read_rdma_devices(root: str = SYSFS_IB) -> list[Device]:
+    """RDMA devices under ``root`` (sysfs), their ports and non-zero GIDs."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    devices = []
+    for name in names:
+        dev_dir = os.path.join(root, name)
+        device = Device(name, _read(os.path.join(dev_dir, "node_type")))
+        ports_dir = os.path.join(dev_dir, "ports")
+        for number in _numeric_entries(ports_dir):
+            port_dir = os.path.join(ports_dir, str(number))
+            port = Port(number, _read(os.path.join(port_dir, "state")), _read(os.path.join(port_dir, "link_layer")))
+            for index in _numeric_entries(os.path.join(port_dir, "gids")):
+                gid = _read(os.path.join(port_dir, "gids", str(index)))
+                if gid is None or gid == ZERO_GID:
+                    continue
+                port.gids.append(
+                    Gid(
+                        index,
+                        gid,
+                        _read(os.path.join(port_dir, "gid_attrs", "types", str(index))),
+                        _read(os.path.join(port_dir, "gid_attrs", "ndevs", str(index))),
+                    )
+                )
+            device.ports.append(port)
+        devices.append(device)
+    return devices
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _would_use(policy: str) -> dict[str, Any]:
+    """What a client with this transport policy would do on this host."""
+    from ._errors import RDMAUnavailableError
+    from ._negotiate import local_offer, resolve_transport
+
+    try:
+        choice = resolve_transport(policy)
+    except ValueError as exc:
+        return {"policy": policy, "transport": None, "reason": str(exc), "error": True}
+    try:
+        offer = local_offer(choice, "client")
+    except RDMAUnavailableError as exc:
+        return {"policy": choice, "transport": None, "reason": f"fails with RDMAUnavailableError: {exc}", "error": True}
+    if offer.rdma_params is not None:
+        return {"policy": choice, "transport": "rdma", "reason": "if the peer offers RDMA too", "error": False}
+    return {"policy": choice, "transport": "tcp", "reason": offer.reason, "error": False}
+
+
+def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
+    """Everything ``aiordma info`` prints, as a JSON-ready dict."""
+    from . import __version__
+    from ._negotiate import resolve_transport
+    from ._rdma_probe import probe
+
+    try:
+        found = probe()
+        probe_result: dict[str, Any] = {
+            "usable": found.usable,
+            "reason": found.reason,
+            "native_module": found.native_module,
+            "native_reason": found.native_reason,
+            "devices": list(found.devices),
+        }
+    except Exception as exc:  # the probe promises not to raise; say so if it does
+        probe_result = {
+            "usable": False,
+            "reason": f"the probe failed: {exc!r}",
+            "native_module": False,
+            "native_reason": f"the probe failed: {exc!r}",
+            "devices": [],
+        }
+    env = os.environ.get("AIORDMA_TRANSPORT")
+    try:
+        default_policy: str | None = resolve_transport(None)
+        env_error = None
+    except ValueError as exc:
+        default_policy = None
+        env_error = str(exc)
+    return {
+        "aiordma": __version__,
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in ("anyio", "trio", "uvloop", "cffi")},
+        "native_module": {"available": probe_result["native_module"], "reason": probe_result["native_reason"]},
+        "rdma": {
+            "usable": probe_result["usable"],
+            "reason": probe_result["reason"],
+            "sysfs": sysfs_root,
+            "sysfs_exists": os.path.isdir(sysfs_root),
+            "devices": [asdict(d) for d in read_rdma_devices(sysfs_root)],
+        },
+        "env": {"AIORDMA_TRANSPORT": env},
+        "default_policy": default_policy,
+        "default_policy_error": env_error,
+        "auto": _would_use("auto"),
+        "default": _would_use(default_policy) if default_policy is not None else None,
+    }
+
+
+def _describe_choice(outcome: dict[str, Any]) -> str:
+    if outcome["transport"] is None:
+        return str(outcome["reason"])
+    return f"{outcome['transport']} \u2014 {outcome['reason']}"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"aiordma {info['aiordma']}"]
+    py = info["python"]
+    lines.append(f"Python {py['version']} ({py['implementation']}, {py['executable']})")
+    lines.append(f"platform: {info['platform']}")
+    packages = ", ".join(f"{name} {ver or 'not installed'}" for name, ver in info["packages"].items())
+    lines.append(f"packages: {packages}")
+    native = info["native_module"]
+    lines.append(f"native verbs module: {'available' if native['available'] else 'not available'}")
+    if native["reason"]:
+        lines.append(f"  {native['reason']}")
+    rdma = info["rdma"]
+    lines.append(f"RDMA usable: {'yes' if rdma['usable'] else 'no'}" + (f" \u2014 {rdma['reason']}" if rdma["reason"] else ""))
+    if not rdma["sysfs_exists"]:
+        lines.append(f"RDMA devices: none ({rdma['sysfs']} does not exist)")
+    elif not rdma["devices"]:
+        lines.append(f"RDMA devices: none (in {rdma['sysfs']})")
+    else:
+        lines.append("RDMA devices:")
+        for dev in rdma["devices"]:
+            lines.append(f"  {dev['name']}" + (f" ({dev['node_type']})" if dev["node_type"] else ""))
+            if not dev["ports"]:
+                lines.append("    no ports")
+            for port in dev["ports"]:
+                lines.append(
+                    f"    port {port['port']}: state {port['state'] or '?'}, link layer {port['link_layer'] or '?'}"
+                )
+                if not port["gids"]:
+                    lines.append("      no GIDs")
+                for gid in port["gids"]:
+                    extra = ", ".join(x for x in (gid["type"], gid["netdev"] and f"netdev {gid['netdev']}") if x)
+                    lines.append(f"      gid[{gid['index']}] {gid['gid']}" + (f" ({extra})" if extra else ""))
+    env = info["env"]["AIORDMA_TRANSPORT"]
+    lines.append(f"AIORDMA_TRANSPORT: {env if env is not None else '(not set)'}")
+    if info["default_policy_error"]:
+        lines.append(f"  invalid: {info['default_policy_error']}")
+    lines.append(f"auto would use: {_describe_choice(info['auto'])}")
+    default = info["default"]
+    if default is not None and default["policy"] != "auto":
+        lines.append(f"default policy ({default['policy']}, from AIORDMA_TRANSPORT) would use: {_describe_choice(default)}")
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_info(info))
+    return EXIT_OK
+
+
+# -- demo ----------------------------------------------------------------------
+
+
+class DemoFailure(Exception):
+    """A check of the demo failed."""
+
+
+@dataclass
+class DemoResult:
+    transport: str
+    fallback_reason: str
+    checks: list[str]
+    rtt_median_us: float
+    rtt_p99_us: float
+    throughput_mb_s: float
+    stream_bytes: int
+    message_rate: float
+    messages: int
+
+
+def _pattern(n: int, seed: int = 0) -> bytes:
+    """``n`` reproducible non-repeating-looking bytes (cheap to make)."""
+    block = bytes((i * 131 + seed * 17 + (i >> 8) * 7) & 0xFF for i in range(4096))
+    return (block * (n // len(block) + 1))[:n]
+
+
+def _percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, int(round(fraction * (len(sorted_values) - 1)))))
+    return sorted_values[index]
+
+
+# The byte-stream server understands one mode byte at the start of a connection.
+MODE_ECHO = b"E"  # echo every byte back, half-close at EOF
+MODE_DRAIN = b"D"  # read to EOF, then answer with the byte count (8 bytes)
+
+
+async def _receive_exactly(stream: Any, n: int) -> bytes:
+    parts = []
+    left = n
+    while left:
+        chunk = await stream.receive(left)
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+async def _stream_server(stream: Any) -> None:
+    from . import Stream
+
+    assert isinstance(stream, Stream)
+    async with stream:
+        try:
+            mode = await stream.receive(1)
+        except EndOfStream:
+            return
+        if mode == MODE_ECHO:
+            while True:
+                try:
+                    data = await stream.receive(MiB)
+                except EndOfStream:
+                    break
+                await stream.send(data)
+            await stream.send_eof()
+        elif mode == MODE_DRAIN:
+            total = 0
+            while True:
+                try:
+                    total += len(await stream.receive(MiB))
+                except EndOfStream:
+                    break
+            await stream.send(total.to_bytes(8, "big"))
+            await stream.send_eof()
+        # anything else: close
+
+
+async def _channel_server(channel: Any) -> None:
+    from . import Channel
+
+    assert isinstance(channel, Channel)
+    async with channel:
+        while True:
+            try:
+                message = await channel.receive()
+            except EndOfStream:
+                break
+            await channel.send(message)
+
+
+async def _check_stream_echo(connect: Callable[[], Awaitable[Any]], checks: list[str]) -> None:
+    stream = await connect()
+    async with stream:
+        await stream.send(MODE_ECHO)
+        sizes = [1, 63, 64, 4096, 65536, 100_000, MiB, 3 * MiB + 5]
+        payloads = [_pattern(n, seed) for seed, n in enumerate(sizes)]
+        expected = b"".join(payloads)
+        received = bytearray()
+
+        async def send_all() -> None:
+            for payload in payloads:
+                await stream.send(payload)
+            await stream.send_eof()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send_all)
+            while True:
+                try:
+                    received += await stream.receive(MiB)
+                except EndOfStream:
+                    break
+        if bytes(received) != expected:
+            first = next((i for i, (a, b) in enumerate(zip(received, expected)) if a != b), min(len(received), len(expected)))
+            raise DemoFailure(
+                f"byte stream echo differs: sent {len(expected)} bytes, got {len(received)} back, first difference at {first}"
+            )
+    checks.append(f"byte stream: {len(expected)} bytes in {len(sizes)} writes echoed back intact, EOF seen")
+
+
+async def _check_messages(channel: Any, checks: list[str]) -> None:
+    sizes = [0, 1, 7, 64, 0, 4096, 65536, MiB, 17, 0]
+    messages = [_pattern(n, seed) for seed, n in enumerate(sizes)]
+    got: list[bytes] = []
+
+    async def send_all() -> None:
+        for message in messages:
+            await channel.send(message)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send_all)
+        for _ in messages:
+            got.append(await channel.receive())
+    if [len(m) for m in got] != sizes:
+        raise DemoFailure(f"message boundaries were not kept: sent sizes {sizes}, received {[len(m) for m in got]}")
+    if got != messages:
+        bad = next(i for i, (a, b) in enumerate(zip(got, messages)) if a != b)
+        raise DemoFailure(f"message {bad} ({sizes[bad]} bytes) came back changed")
+    empties = sizes.count(0)
+    checks.append(f"messages: {len(sizes)} messages (sizes 0..{max(sizes)}, {empties} empty) echoed with boundaries kept")
+
+
+async def _measure_rtt(connect: Callable[[], Awaitable[Any]], round_trips: int) -> tuple[float, float]:
+    stream = await connect()
+    async with stream:
+        await stream.send(MODE_ECHO)
+        payload = _pattern(64, 99)
+        for _ in range(min(200, round_trips)):  # warm up
+            await stream.send(payload)
+            await _receive_exactly(stream, 64)
+        times = []
+        clock = time.perf_counter_ns
+        for _ in range(round_trips):
+            t0 = clock()
+            await stream.send(payload)
+            answer = await _receive_exactly(stream, 64)
+            times.append(clock() - t0)
+            if answer != payload:
+                raise DemoFailure("a 64 B round trip came back changed")
+    times.sort()
+    return statistics.median(times) / 1000.0, _percentile(times, 0.99) / 1000.0
+
+
+async def _measure_throughput(connect: Callable[[], Awaitable[Any]], total: int) -> float:
+    stream = await connect()
+    async with stream:
+        await stream.send(MODE_DRAIN)
+        block = _pattern(MiB, 5)
+        start = time.perf_counter()
+        left = total
+        while left:
+            n = min(left, MiB)
+            await stream.send(block if n == MiB else block[:n])
+            left -= n
+        await stream.send_eof()
+        answer = await _receive_exactly(stream, 8)
+        elapsed = time.perf_counter() - start
+    count = int.from_bytes(answer, "big")
+    if count != total:
+        raise DemoFailure(f"the server received {count} bytes of the {total} sent")
+    return total / elapsed / 1e6
+
+
+async def _measure_message_rate(channel: Any, count: int) -> float:
+    message = _pattern(64, 3)
+
+    async def send_all() -> None:
+        for _ in range(count):
+            await channel.send(message)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send_all)
+        for _ in range(count):
+            if await channel.receive() != message:
+                raise DemoFailure("a 64 B message came back changed")
+    return count / (time.perf_counter() - start)
+
+
+async def run_demo(transport: str | None, total_bytes: int, messages: int, round_trips: int) -> DemoResult:
+    import aiordma
+
+    checks: list[str] = []
+    host = "127.0.0.1"
+    stream_listener = await aiordma.create_listener(host, 0, transport=transport)
+    channel_listener = await aiordma.create_channel_listener(host, 0, transport=transport)
+    async with stream_listener, channel_listener, anyio.create_task_group() as servers:
+        tg: TaskGroup = servers
+        tg.start_soon(stream_listener.serve, _stream_server, tg)
+        tg.start_soon(channel_listener.serve, _channel_server, tg)
+
+        async def connect() -> aiordma.Stream:
+            return await aiordma.connect(host, stream_listener.port, transport=transport)
+
+        first = await connect()
+        async with first:
+            kind = first.extra(aiordma.TransportAttribute.transport)
+            reason = first.extra(aiordma.TransportAttribute.fallback_reason)
+            await first.send(b"?")  # not a mode: the server closes
+        await _check_stream_echo(connect, checks)
+        channel = await aiordma.connect_channel(host, channel_listener.port, transport=transport)
+        async with channel:
+            if channel.extra(aiordma.TransportAttribute.transport) != kind:
+                raise DemoFailure("the channel and the byte stream run on different transports")
+            await _check_messages(channel, checks)
+            rtt_median, rtt_p99 = await _measure_rtt(connect, round_trips)
+            throughput = await _measure_throughput(connect, total_bytes)
+            rate = await _measure_message_rate(channel, messages)
+            await channel.send_eof()
+        checks.append(f"throughput run: the server counted all {total_bytes} bytes")
+        tg.cancel_scope.cancel()
+    return DemoResult(kind, reason, checks, rtt_median, rtt_p99, throughput, total_bytes, rate, messages)
+
+
+def _size(text: str) -> int:
+    """A byte count: ``65536``, ``64K``, ``64M``, ``1G`` (binary units)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    factor = 1
+    if raw and raw[-1] in units:
+        factor = units[raw[-1]]
+        raw = raw[:-1]
+    try:
+        value = int(raw) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 65536, 64K, 64M)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _human_bytes(n: int) -> str:
+    if n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n % 1024 == 0:
+        return f"{n // 1024} KiB"
+    return f"{n} B"
+
+
+def format_demo(result: DemoResult, backend: str, policy: str) -> str:
+    lines = [f"aiordma demo: backend {backend}, transport policy {policy}, 127.0.0.1, client and server in one process"]
+    lines.append(f"transport: {result.transport}")
+    lines.append(f"fallback reason: {result.fallback_reason or '(none: the data runs on RDMA)'}")
+    for check in result.checks:
+        lines.append(f"ok  {check}")
+    rows = [
+        ("64 B round trip, median", f"{result.rtt_median_us:.1f} \u00b5s"),
+        ("64 B round trip, p99", f"{result.rtt_p99_us:.1f} \u00b5s"),
+        (f"byte stream, {_human_bytes(result.stream_bytes)} in 1 MiB writes", f"{result.throughput_mb_s:.0f} MB/s"),
+        (f"messages, {result.messages} x 64 B echoed", f"{result.message_rate:,.0f} msgs/s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines.append("")
+    lines.append(f"{'measure'.ljust(width)}  value")
+    lines.append(f"{'-' * width}  {'-' * 14}")
+    lines.extend(f"{name.ljust(width)}  {value}" for name, value in rows)
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ._errors import AiordmaError, RDMAUnavailableError
+    from ._negotiate import resolve_transport
+
+    try:
+        policy = resolve_transport(args.transport)
+    except ValueError as exc:
+        print(f"aiordma demo: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    backend = "asyncio"
+    options: dict[str, Any] = {}
+    if args.backend == "trio":
+        backend = "trio"
+    elif args.backend == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print("aiordma demo: error: --backend uvloop needs uvloop (pip install 'aiordma[uvloop]')", file=sys.stderr)
+            return EXIT_USAGE
+        options["loop_factory"] = uvloop.new_event_loop
+
+    async def bounded() -> DemoResult:
+        with anyio.fail_after(args.timeout):
+            return await run_demo(policy, args.bytes, args.messages, args.round_trips)
+
+    try:
+        result = anyio.run(bounded, backend=backend, backend_options=options)
+    except ModuleNotFoundError as exc:
+        print(f"aiordma demo: error: backend {args.backend!r} is not available: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RDMAUnavailableError as exc:
+        print(f"aiordma demo: error: transport {policy!r} is not available here: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except DemoFailure as exc:
+        print(f"aiordma demo: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except TimeoutError:
+        print(f"aiordma demo: FAILED: did not finish within {args.timeout} s", file=sys.stderr)
+        return EXIT_FAILED
+    except (AiordmaError, anyio.BrokenResourceError, anyio.ClosedResourceError, EndOfStream, OSError) as exc:
+        print(f"aiordma demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(format_demo(result, args.backend, policy))
+    return EXIT_OK
+
+
+# -- entry point ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiordma",
+        description="Async RDMA queue pairs with automatic TCP fallback: host information and a loopback demo.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version('aiordma') or 'unknown'}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    info = sub.add_parser("info", help="what this host has, and which transport 'auto' would use", description=(
+        "Print the versions, the native verbs module, the RDMA devices (ports, states, GIDs from sysfs), "
+        "$AIORDMA_TRANSPORT and the transport that transport='auto' would use here, with the reason."
+    ))
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    info.set_defaults(func=cmd_info)
+
+    demo = sub.add_parser("demo", help="echo bytes and messages over 127.0.0.1 and measure", description=(
+        "Start a byte-stream listener and a channel listener on 127.0.0.1 in this process, connect to each, "
+        "check that bytes and messages come back intact, and print latency, throughput and message rate."
+    ))
+    demo.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "rdma"),
+        default=None,
+        help="transport policy (default: $AIORDMA_TRANSPORT, else auto)",
+    )
+    demo.add_argument(
+        "--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio", help="event loop (default: asyncio)"
+    )
+    demo.add_argument(
+        "--bytes", type=_size, default=64 * MiB, metavar="N", help="bytes for the throughput run, e.g. 64M (default 64M)"
+    )
+    demo.add_argument(
+        "--messages", type=_positive, default=20_000, metavar="N", help="64 B messages for the rate (default 20000)"
+    )
+    demo.add_argument(
+        "--round-trips", type=_positive, default=2000, metavar="N", help="64 B round trips for latency (default 2000)"
+    )
+    demo.add_argument("--timeout", type=float, default=120.0, metavar="S", help="give up after S seconds (default 120)")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1459 @@
+"""Typed wrappers around libibverbs (through the cffi module ``aiordma._verbs_cffi``).
+
+This module imports on every host: when the native module was not built (no
+libibverbs headers at install time) or cannot load, :func:`native_available`
+says why and creating any verbs object raises :class:`RDMAUnavailableError`.
+Device discovery (:func:`list_devices`, :func:`gid_for_ip`) reads sysfs and
+works without the native module (the active MTU is then unknown).
+
+Lifetimes are explicit: every object has ``close()`` and is a context manager;
+nothing is freed by ``__del__``.  An object forgotten without ``close()`` stays
+allocated until the process exits (the kernel cleans up then) and shows up in
+:func:`live_objects`, which counts open objects per class and the registered
+bytes -- tests assert it returns to zero.
+
+Parents refuse to close while children are open (``RDMAError(EBUSY)``).  The
+teardown order of a connection is:
+
+1. stop posting new work requests;
+2. move the QP to ERROR (:meth:`QueuePair.to_error`): the device then completes
+   every outstanding work request with ``IBV_WC_WR_FLUSH_ERR``;
+3. poll the CQs until those flush completions have been seen (each posted
+   buffer is the device's until its completion is polled), and drain / ack the
+   completion channel's events (:meth:`CompletionChannel.drain_events`);
+4. destroy the QP, then the CQs, then the completion channel;
+5. deregister the memory regions, deallocate the PD, close the context.
+
+Threads: the objects are not locked; use each from one thread (or task) at a
+time.  cffi releases the GIL around every call into C, so a long
+:meth:`CompletionQueue.poll_spin` lets other threads run.
+
+Immediate data is a host-order ``int`` in this API; the C helpers convert.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno as _errno
+import importlib
+import ipaddress
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Self
+
+from ._errors import RDMAError, RDMAUnavailableError
+
+__all__ = [
+    "Access",
+    "AsyncEvent",
+    "CompletionChannel",
+    "CompletionQueue",
+    "Context",
+    "DeviceAttr",
+    "DeviceInfo",
+    "GidEntry",
+    "MemoryRegion",
+    "Opcode",
+    "PortAttr",
+    "PortInfo",
+    "PostError",
+    "ProtectionDomain",
+    "QPCaps",
+    "QPState",
+    "QueuePair",
+    "RCEndpoint",
+    "SendWR",
+    "WCArray",
+    "WCOpcode",
+    "WCStatus",
+    "WorkCompletion",
+    "assert_no_live_objects",
+    "gid_for_ip",
+    "list_devices",
+    "live_objects",
+    "native_available",
+]
+
+# --------------------------------------------------------------------------
+# The native module (optional)
+# --------------------------------------------------------------------------
+
+NOT_BUILT_REASON: Final = "native module not built (no libibverbs headers at install time)"
+
+_ffi: Any
+_lib: Any
+_IMPORT_REASON: str
+try:
+    _mod = importlib.import_module("aiordma._verbs_cffi")
+except ModuleNotFoundError as _exc:
+    _ffi = _lib = None
+    _IMPORT_REASON = (
+        NOT_BUILT_REASON if _exc.name == "aiordma._verbs_cffi" else f"native module cannot be loaded: {_exc}"
+    )
+except ImportError as _exc:  # e.g. libibverbs.so.1 missing at run time
+    _ffi = _lib = None
+    _IMPORT_REASON = f"native module cannot be loaded: {_exc}"
+else:
+    _ffi, _lib = _mod.ffi, _mod.lib
+    _IMPORT_REASON = ""
+
+SYSFS_IB: Final = "/sys/class/infiniband"
+
+
+def native_available() -> tuple[bool, str]:
+    """Can verbs be used here?  ``(True, "RDMA devices: rxe0")`` or ``(False, reason)``.
+
+    Reasons: ``"native module not built (no libibverbs headers at install
+    time)"``, ``"native module cannot be loaded: ..."``, ``"libibverbs cannot
+    list devices: <errno text>"`` (with a hint when the kernel has no RDMA
+    support), ``"no RDMA device"``.  Never raises.
+    """
+    if _lib is None:
+        return False, _IMPORT_REASON
+    num = _ffi.new("int *")
+    lst = _lib.ibv_get_device_list(num)
+    if lst == _ffi.NULL:
+        err = int(_ffi.errno)
+        why = f"libibverbs cannot list devices: {os.strerror(err) if err else 'unknown error'}"
+        if not os.path.isdir(SYSFS_IB):
+            why += f" ({SYSFS_IB} does not exist: no RDMA support in this kernel)"
+        return False, why
+    try:
+        names = [_ffi.string(_lib.ibv_get_device_name(lst[i])).decode() for i in range(num[0])]
+    finally:
+        _lib.ibv_free_device_list(lst)
+    if not names:
+        return False, "no RDMA device"
+    return True, "RDMA devices: " + ", ".join(names)
+
+
+def _require_native(what: str) -> None:
+    if _lib is None:
+        raise RDMAUnavailableError(f"{_IMPORT_REASON} (while creating {what})")
+
+
+# --------------------------------------------------------------------------
+# Live-object accounting
+# --------------------------------------------------------------------------
+
+_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "cqs", "channels", "qps", "registered_bytes")
+_live: dict[str, int] = dict.fromkeys(_LIVE_KEYS, 0)
+_live_lock = threading.Lock()
+
+
+def _count(key: str, delta: int) -> None:
+    with _live_lock:
+        _live[key] += delta
+
+
+def live_objects() -> dict[str, int]:
+    """Open verbs objects per class and bytes currently registered (a copy).
+
+    Keys: contexts, pds, mrs, cqs, channels, qps, registered_bytes.
+    """
+    with _live_lock:
+        return dict(_live)
+
+
+def assert_no_live_objects() -> None:
+    """Raise ``AssertionError`` naming what is still open (for tests)."""
+    left = {k: v for k, v in live_objects().items() if v}
+    if left:
+        raise AssertionError(f"verbs objects still open: {left}")
+
+
+# --------------------------------------------------------------------------
+# Constants (the verbs ABI values; the guest tests check them against lib)
+# --------------------------------------------------------------------------
+
+
+class Access(enum.IntFlag):
+    """``ibv_access_flags`` for memory regions and QP access."""
+
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+
+
+DEFAULT_MR_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+DEFAULT_QP_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+
+class SendFlags(enum.IntFlag):
+    FENCE = 1
+    SIGNALED = 2
+    SOLICITED = 4
+    INLINE = 8
+
+
+class Opcode(enum.IntEnum):
+    """Send work request opcodes (``ibv_wr_opcode``) supported by the batch poster."""
+
+    RDMA_WRITE = 0
+    RDMA_WRITE_WITH_IMM = 1
+    SEND = 2
+    SEND_WITH_IMM = 3
+    RDMA_READ = 4
+
+
+class WCOpcode(enum.IntEnum):
+    """``ibv_wc_opcode`` (what a completion completed)."""
+
+    SEND = 0
+    RDMA_WRITE = 1
+    RDMA_READ = 2
+    COMP_SWAP = 3
+    FETCH_ADD = 4
+    BIND_MW = 5
+    LOCAL_INV = 6
+    TSO = 7
+    ATOMIC_WRITE = 9
+    RECV = 128
+    RECV_RDMA_WITH_IMM = 129
+
+
+class WCStatus(enum.IntEnum):
+    """``ibv_wc_status``."""
+
+    SUCCESS = 0
+    LOC_LEN_ERR = 1
+    LOC_QP_OP_ERR = 2
+    LOC_EEC_OP_ERR = 3
+    LOC_PROT_ERR = 4
+    WR_FLUSH_ERR = 5
+    MW_BIND_ERR = 6
+    BAD_RESP_ERR = 7
+    LOC_ACCESS_ERR = 8
+    REM_INV_REQ_ERR = 9
+    REM_ACCESS_ERR = 10
+    REM_OP_ERR = 11
+    RETRY_EXC_ERR = 12
+    RNR_RETRY_EXC_ERR = 13
+    LOC_RDD_VIOL_ERR = 14
+    REM_INV_RD_REQ_ERR = 15
+    REM_ABORT_ERR = 16
+    INV_EECN_ERR = 17
+    INV_EEC_STATE_ERR = 18
+    FATAL_ERR = 19
+    RESP_TIMEOUT_ERR = 20
+    GENERAL_ERR = 21
+    TM_ERR = 22
+    TM_RNDV_INCOMPLETE = 23
+
+
+class QPState(enum.IntEnum):
+    RESET = 0
+    INIT = 1
+    RTR = 2
+    RTS = 3
+    SQD = 4
+    SQE = 5
+    ERR = 6
+    UNKNOWN = 7
+
+
+EVENT_NAMES: Final = (
+    "IBV_EVENT_CQ_ERR",
+    "IBV_EVENT_QP_FATAL",
+    "IBV_EVENT_QP_REQ_ERR",
+    "IBV_EVENT_QP_ACCESS_ERR",
+    "IBV_EVENT_COMM_EST",
+    "IBV_EVENT_SQ_DRAINED",
+    "IBV_EVENT_PATH_MIG",
+    "IBV_EVENT_PATH_MIG_ERR",
+    "IBV_EVENT_DEVICE_FATAL",
+    "IBV_EVENT_PORT_ACTIVE",
+    "IBV_EVENT_PORT_ERR",
+    "IBV_EVENT_LID_CHANGE",
+    "IBV_EVENT_PKEY_CHANGE",
+    "IBV_EVENT_SM_CHANGE",
+    "IBV_EVENT_SRQ_ERR",
+    "IBV_EVENT_SRQ_LIMIT_REACHED",
+    "IBV_EVENT_QP_LAST_WQE_REACHED",
+    "IBV_EVENT_CLIENT_REREGISTER",
+    "IBV_EVENT_GID_CHANGE",
+    "IBV_EVENT_WQ_FATAL",
+)
+
+PORT_STATE_NAMES: Final = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
+_MTU_TO_ENUM: Final = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
+_ENUM_TO_MTU: Final = {v: k for k, v in _MTU_TO_ENUM.items()}
+_LINK_LAYERS: Final = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
+_WC_WITH_IMM: Final = 2
+
+
+def wc_status_name(status: int) -> str:
+    """``IBV_WC_RNR_RETRY_EXC_ERR`` style name of a completion status."""
+    try:
+        return "IBV_WC_" + WCStatus(status).name
+    except ValueError:
+        return f"IBV_WC_STATUS_{status}"
+
+
+def event_type_name(event_type: int) -> str:
+    if 0 <= event_type < len(EVENT_NAMES):
+        return EVENT_NAMES[event_type]
+    return f"IBV_EVENT_{event_type}"
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def _addr(ptr: Any) -> int:
+    return int(_ffi.cast("uintptr_t", ptr))
+
+
+def _fail(err: int, call: str, detail: str = "") -> RDMAError:
+    return RDMAError(err or _errno.EIO, call, detail)
+
+
+def _check(rc: int, call: str, detail: str = "") -> int:
+    """Helpers return ``-errno`` on failure."""
+    if rc < 0:
+        raise _fail(-rc, call, detail)
+    return rc
+
+
+def _gid_bytes(gid: str | bytes | ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+    """A 16-byte GID from an IPv6/GID string, an IPv4 address (mapped) or bytes."""
+    if isinstance(gid, bytes):
+        if len(gid) != 16:
+            raise ValueError(f"a GID is 16 bytes, got {len(gid)}")
+        return gid
+    addr = ipaddress.ip_address(gid) if isinstance(gid, str) else gid
+    if isinstance(addr, ipaddress.IPv4Address):
+        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
+    return addr.packed
+
+
+def _mtu_enum(path_mtu: int) -> int:
+    try:
+        return _MTU_TO_ENUM[path_mtu]
+    except KeyError:
+        raise ValueError(f"path_mtu must be one of {sorted(_MTU_TO_ENUM)} (bytes), got {path_mtu}") from None
+
+
+# --------------------------------------------------------------------------
+# Device discovery (sysfs)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GidEntry:
+    """One non-empty GID table entry.
+
+    ``gid_type`` is ``"RoCEv2"``, ``"RoCEv1"`` or ``"IB"``; ``netdev`` the
+    network interface the GID belongs to (RoCE), ``ip`` the address the GID
+    encodes (an IPv4 address for ``::ffff:a.b.c.d`` GIDs).
+    """
+
+    device: str
+    port: int
+    index: int
+    gid: ipaddress.IPv6Address
+    gid_type: str
+    netdev: str | None
+
+    @property
+    def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        mapped = self.gid.ipv4_mapped
+        return mapped if mapped is not None else self.gid
+
+
+@dataclass(frozen=True, slots=True)
+class PortInfo:
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    link_layer: str  # "Ethernet" (RoCE) or "InfiniBand"
+    active_mtu: int | None  # bytes; None when verbs could not be asked
+    max_mtu: int | None
+    gids: tuple[GidEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    name: str
+    node_guid: str
+    ports: tuple[PortInfo, ...]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _gid_type(raw: str | None, link_layer: str) -> str:
+    if raw is None:
+        return "IB" if link_layer == "InfiniBand" else "RoCEv1"
+    if "v2" in raw:
+        return "RoCEv2"
+    return "IB" if link_layer == "InfiniBand" else "RoCEv1"
+
+
+def _read_gids(sysfs_root: str, dev: str, port: int, link_layer: str) -> tuple[GidEntry, ...]:
+    base = os.path.join(sysfs_root, dev, "ports", str(port))
+    try:
+        names = os.listdir(os.path.join(base, "gids"))
+    except OSError:
+        return ()
+    out = []
+    for name in sorted(names, key=lambda s: int(s) if s.isdigit() else -1):
+        if not name.isdigit():
+            continue
+        raw = _read(os.path.join(base, "gids", name))
+        if not raw:
+            continue
+        try:
+            gid = ipaddress.IPv6Address(raw)
+        except ValueError:
+            continue
+        if gid.packed == bytes(16):
+            continue
+        gtype = _gid_type(_read(os.path.join(base, "gid_attrs", "types", name)), link_layer)
+        ndev = _read(os.path.join(base, "gid_attrs", "ndevs", name)) or None
+        out.append(GidEntry(dev, port, int(name), gid, gtype, ndev))
+    return tuple(out)
+
+
+def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> list[DeviceInfo]:
+    """RDMA devices, their ports (state, link layer, MTU) and GID tables.
+
+    Reads ``/sys/class/infiniband/<dev>/ports/<p>/{state,link_layer,gids,
+    gid_attrs/types,gid_attrs/ndevs}``.  With ``query_verbs`` and the native
+    module present, each device is opened briefly to ask the active and max
+    MTU (sysfs does not publish them); otherwise those are ``None``.  No
+    device (or no RDMA in the kernel) gives an empty list.
+    """
+    try:
+        devs = sorted(os.listdir(sysfs_root))
+    except OSError:
+        return []
+    result = []
+    for dev in devs:
+        mtus: dict[int, tuple[int | None, int | None]] = {}
+        if query_verbs and _lib is not None and sysfs_root == SYSFS_IB:
+            try:
+                with Context(dev) as ctx:
+                    for p in range(1, ctx.query_device().phys_port_cnt + 1):
+                        pa = ctx.query_port(p)
+                        mtus[p] = (pa.active_mtu, pa.max_mtu)
+            except (RDMAError, RDMAUnavailableError, LookupError):
+                pass
+        ports = []
+        try:
+            port_names = sorted(int(p) for p in os.listdir(os.path.join(sysfs_root, dev, "ports")) if p.isdigit())
+        except OSError:
+            port_names = []
+        for p in port_names:
+            base = os.path.join(sysfs_root, dev, "ports", str(p))
+            state_raw = _read(os.path.join(base, "state")) or ""
+            state = state_raw.split(":", 1)[-1].strip() or "UNKNOWN"
+            link_layer = _read(os.path.join(base, "link_layer")) or "Unspecified"
+            active, maxm = mtus.get(p, (None, None))
+            ports.append(PortInfo(p, state, link_layer, active, maxm, _read_gids(sysfs_root, dev, p, link_layer)))
+        result.append(DeviceInfo(dev, _read(os.path.join(sysfs_root, dev, "node_guid")) or "", tuple(ports)))
+    return result
+
+
+def gid_for_ip(
+    ip: str | ipaddress.IPv4Address | ipaddress.IPv6Address,
+    *,
+    gid_type: str = "RoCEv2",
+    sysfs_root: str = SYSFS_IB,
+) -> GidEntry | None:
+    """The GID entry (device, port, index) whose GID is this local address.
+
+    For RoCEv2 an IPv4 address ``a.b.c.d`` is the GID ``::ffff:a.b.c.d``.
+    Ports that are ACTIVE win over others; ``None`` if no device has it.
+    """
+    want = ipaddress.IPv6Address(_gid_bytes(ip if not isinstance(ip, str) else ipaddress.ip_address(ip)))
+    best: tuple[int, GidEntry] | None = None
+    for dev in list_devices(sysfs_root=sysfs_root, query_verbs=False):
+        for port in dev.ports:
+            for g in port.gids:
+                if g.gid == want and g.gid_type == gid_type:
+                    rank = 0 if port.state == "ACTIVE" else 1
+                    if best is None or rank < best[0]:
+                        best = (rank, g)
+    return best[1] if best else None
+
+
+# --------------------------------------------------------------------------
+# Resource base
+# --------------------------------------------------------------------------
+
+
+class _Resource:
+    """Common lifetime bookkeeping: parents refuse to close before children."""
+
+    _kind: str = ""  # key in live_objects()
+    _label: str = "object"
+
+    def __init__(self, parents: Sequence[_Resource]) -> None:
+        self._closed = False
+        self._children: set[_Resource] = set()
+        self._parents = tuple(parents)
+        for p in self._parents:
+            p._ensure_open()
+        for p in self._parents:
+            p._children.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ensure_open(self, call: str = "") -> None:
+        if self._closed:
+            raise RDMAError(_errno.EBADF, call or type(self).__name__, f"the {self._label} is closed")
+
+    def _check_children(self, call: str) -> None:
+        if self._children:
+            kinds: dict[str, int] = {}
+            for c in self._children:
+                kinds[c._label] = kinds.get(c._label, 0) + 1
+            what = ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in sorted(kinds.items()))
+            raise RDMAError(
+                _errno.EBUSY,
+                call,
+                f"{what} still open; close them first "
+                "(order: QP, CQ, completion channel, MR, PD, context)",
+            )
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+        for p in self._parents:
+            p._children.discard(self)
+        _count(self._kind, -1)
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------
+# Context
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAttr:
+    node_guid: int
+    max_mr_size: int
+    vendor_id: int
+    vendor_part_id: int
+    max_qp: int
+    max_qp_wr: int
+    max_sge: int
+    max_cq: int
+    max_cqe: int
+    max_mr: int
+    max_pd: int
+    max_qp_rd_atom: int
+    max_qp_init_rd_atom: int
+    phys_port_cnt: int
+    fw_ver: str
+
+
+@dataclass(frozen=True, slots=True)
+class PortAttr:
+    port: int
+    state: int
+    state_name: str  # "ACTIVE", ...
+    active_mtu: int  # bytes
+    max_mtu: int  # bytes
+    gid_tbl_len: int
+    lid: int
+    link_layer: str
+    max_msg_sz: int
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncEvent:
+    """An acknowledged asynchronous event and the object it concerns.
+
+    ``qp``/``cq`` is the aiordma object when it is one of this context's
+    (``None`` if it was already closed); ``port`` is set for port events.
+    """
+
+    event_type: int
+    name: str  # "IBV_EVENT_QP_FATAL"
+    description: str  # ibv_event_type_str()
+    element_kind: str  # "qp", "cq", "srq", "wq", "port", "device", "none"
+    qp: QueuePair | None = None
+    cq: CompletionQueue | None = None
+    port: int | None = None
+
+
+_EV_KINDS: Final = {0: "none", 1: "cq", 2: "qp", 3: "srq", 4: "wq", 5: "port", 6: "device"}
+
+
+class Context(_Resource):
+    """An opened RDMA device (``ibv_open_device``).
+
+    ``Context()`` opens the first device; ``Context("rxe0")`` a named one.
+    ``fileno()`` is the async-event fd (non-blocking); read events with
+    :meth:`get_async_event` when it is readable.
+
+    ``close()`` (``ibv_close_device``) requires every PD, CQ and completion
+    channel of this context to be closed first.
+    """
+
+    _kind = "contexts"
+    _label = "context"
+
+    def __init__(self, name: str | None = None) -> None:
+        _require_native("a verbs Context")
+        num = _ffi.new("int *")
+        lst = _lib.ibv_get_device_list(num)
+        if lst == _ffi.NULL:
+            raise _fail(int(_ffi.errno), "ibv_get_device_list")
+        try:
+            names = [_ffi.string(_lib.ibv_get_device_name(lst[i])).decode() for i in range(num[0])]
+            if not names:
+                raise RDMAError(_errno.ENODEV, "ibv_get_device_list", "no RDMA device")
+            if name is None:
+                idx = 0
+            elif name in names:
+                idx = names.index(name)
+            else:
+                raise RDMAError(_errno.ENODEV, "ibv_open_device", f"no device {name!r} (have: {', '.join(names)})")
+            handle = _lib.ibv_open_device(lst[idx])
+            if handle == _ffi.NULL:
+                raise _fail(int(_ffi.errno), "ibv_open_device", names[idx])
+        finally:
+            _lib.ibv_free_device_list(lst)
+        super().__init__(())
+        self._h: Any = handle
+        self.name: str = names[idx]
+        fds = _ffi.new("int[2]")
+        _lib.aiordma_context_fds(handle, fds, fds + 1)
+        self._async_fd = int(fds[0])
+        self.num_comp_vectors = int(fds[1])
+        rc = int(_lib.aiordma_set_nonblock(self._async_fd))
+        if rc < 0:  # pragma: no cover - only with a broken fd
+            _lib.ibv_close_device(handle)
+            raise _fail(-rc, "fcntl(async_fd, O_NONBLOCK)")
+        self._qps: dict[int, QueuePair] = {}
+        self._cqs: dict[int, CompletionQueue] = {}
+        _count(self._kind, 1)
+
+    def __repr__(self) -> str:
+        return f"<Context {self.name}{' closed' if self._closed else ''}>"
+
+    def fileno(self) -> int:
+        """The async-event fd (non-blocking)."""
+        self._ensure_open("fileno")
+        return self._async_fd
+
+    @property
+    def async_fd(self) -> int:
+        return self.fileno()
+
+    def query_device(self) -> DeviceAttr:
+        self._ensure_open("ibv_query_device")
+        d = _ffi.new("struct aiordma_device_info *")
+        _check(int(_lib.aiordma_query_device(self._h, d)), "ibv_query_device")
+        return DeviceAttr(
+            int(d.node_guid), int(d.max_mr_size), int(d.vendor_id), int(d.vendor_part_id),
+            int(d.max_qp), int(d.max_qp_wr), int(d.max_sge), int(d.max_cq), int(d.max_cqe),
+            int(d.max_mr), int(d.max_pd), int(d.max_qp_rd_atom), int(d.max_qp_init_rd_atom),
+            int(d.phys_port_cnt), _ffi.string(d.fw_ver).decode(errors="replace"),
+        )  # fmt: skip
+
+    def query_port(self, port: int = 1) -> PortAttr:
+        self._ensure_open("ibv_query_port")
+        p = _ffi.new("struct aiordma_port_info *")
+        _check(int(_lib.aiordma_query_port(self._h, port, p)), "ibv_query_port", f"port {port}")
+        state = int(p.state)
+        return PortAttr(
+            port, state, PORT_STATE_NAMES.get(state, str(state)),
+            _ENUM_TO_MTU.get(int(p.active_mtu), 0), _ENUM_TO_MTU.get(int(p.max_mtu), 0),
+            int(p.gid_tbl_len), int(p.lid), _LINK_LAYERS.get(int(p.link_layer), str(int(p.link_layer))),
+            int(p.max_msg_sz),
+        )  # fmt: skip
+
+    def query_gid(self, port: int = 1, index: int = 0) -> ipaddress.IPv6Address:
+        self._ensure_open("ibv_query_gid")
+        buf = _ffi.new("uint8_t[16]")
+        _check(int(_lib.aiordma_query_gid(self._h, port, index, buf)), "ibv_query_gid", f"port {port} index {index}")
+        return ipaddress.IPv6Address(bytes(_ffi.buffer(buf, 16)))
+
+    def get_async_event(self) -> AsyncEvent | None:
+        """Read one async event (non-blocking) and acknowledge it; ``None`` if none is pending."""
+        self._ensure_open("ibv_get_async_event")
+        ev = _ffi.new("struct aiordma_async_event *")
+        rc = int(_lib.aiordma_get_async_event(self._h, ev))
+        if rc in (-_errno.EAGAIN, -_errno.EWOULDBLOCK):
+            return None
+        _check(rc, "ibv_get_async_event")
+        etype = int(ev.event_type)
+        kind = _EV_KINDS.get(int(ev.element_kind), "none")
+        elem = int(ev.element)
+        desc = _ffi.string(_lib.ibv_event_type_str(etype)).decode()
+        return AsyncEvent(
+            etype,
+            event_type_name(etype),
+            desc,
+            kind,
+            qp=self._qps.get(elem) if kind == "qp" else None,
+            cq=self._cqs.get(elem) if kind == "cq" else None,
+            port=int(ev.port_num) if kind == "port" else None,
+        )
+
+    # factories ------------------------------------------------------------
+    def alloc_pd(self) -> ProtectionDomain:
+        return ProtectionDomain(self)
+
+    def create_comp_channel(self) -> CompletionChannel:
+        return CompletionChannel(self)
+
+    def create_cq(
+        self, cqe: int = 256, channel: CompletionChannel | None = None, comp_vector: int = 0
+    ) -> CompletionQueue:
+        return CompletionQueue(self, cqe, channel, comp_vector)
+
+    def close(self) -> None:
+        """``ibv_close_device``; every child object must be closed already."""
+        if self._closed:
+            return
+        self._check_children("ibv_close_device")
+        rc = int(_lib.ibv_close_device(self._h))
+        if rc:
+            raise _fail(int(_ffi.errno) or _errno.EIO, "ibv_close_device")
+        self._h = None
+        self._mark_closed()
+
+
+# --------------------------------------------------------------------------
+# Protection domain and memory regions
+# --------------------------------------------------------------------------
+
+
+class ProtectionDomain(_Resource):
+    """``ibv_alloc_pd``.  ``close()`` needs its MRs and QPs closed first."""
+
+    _kind = "pds"
+    _label = "protection domain"
+
+    def __init__(self, context: Context) -> None:
+        _require_native("a ProtectionDomain")
+        context._ensure_open("ibv_alloc_pd")
+        h = _lib.ibv_alloc_pd(context._h)
+        if h == _ffi.NULL:
+            raise _fail(int(_ffi.errno), "ibv_alloc_pd")
+        super().__init__((context,))
+        self.context = context
+        self._h: Any = h
+        _count(self._kind, 1)
+
+    def reg_mr(self, length: int, access: int = DEFAULT_MR_ACCESS) -> MemoryRegion:
+        """Allocate ``length`` bytes of page-aligned memory (anonymous mmap) and register it."""
+        return MemoryRegion(self, length, access)
+
+    def reg_buffer(self, buffer: Any, access: int = DEFAULT_MR_ACCESS) -> MemoryRegion:
+        """Register an existing writable buffer (kept exported until ``close()``)."""
+        return MemoryRegion(self, buffer, access)
+
+    def create_qp(self, send_cq: CompletionQueue, recv_cq: CompletionQueue | None = None, **kw: Any) -> QueuePair:
+        return QueuePair(self, send_cq, recv_cq, **kw)
+
+    def close(self) -> None:
+        """``ibv_dealloc_pd``; its memory regions and queue pairs must be closed first."""
+        if self._closed:
+            return
+        self._check_children("ibv_dealloc_pd")
+        rc = int(_lib.ibv_dealloc_pd(self._h))
+        if rc:
+            raise _fail(rc, "ibv_dealloc_pd")
+        self._h = None
+        self._mark_closed()
+
+
+class MemoryRegion(_Resource):
+    """A registered memory region (``ibv_reg_mr``).
+
+    ``MemoryRegion(pd, n)`` allocates ``n`` bytes with an anonymous shared
+    ``mmap`` (page-aligned, zero-filled) and registers them;
+    ``MemoryRegion(pd, buffer)`` registers a writable buffer you own.
+    ``addr``, ``lkey``, ``rkey`` and ``length`` go into work requests.
+
+    ``close()`` (``ibv_dereg_mr``) must come after the QPs that used it are
+    destroyed or at least drained: the device may still be writing into a
+    posted buffer.  Memoryviews obtained by :meth:`view` stay valid after
+    ``close()`` (the mapping is unmapped when the last one is released).
+    """
+
+    _kind = "mrs"
+    _label = "memory region"
+
+    def __init__(self, pd: ProtectionDomain, length_or_buffer: int | Any, access: int = DEFAULT_MR_ACCESS) -> None:
+        _require_native("a MemoryRegion")
+        pd._ensure_open("ibv_reg_mr")
+        self._mmap: mmap.mmap | None = None
+        if isinstance(length_or_buffer, int):
+            length = length_or_buffer
+            if length <= 0:
+                raise ValueError("a memory region needs a positive length")
+            page = mmap.PAGESIZE
+            mm = mmap.mmap(-1, (length + page - 1) // page * page)
+            self._mmap = mm
+            self.buffer: Any = mm
+        else:
+            self.buffer = length_or_buffer
+            length = memoryview(length_or_buffer).nbytes
+        cbuf = _ffi.from_buffer("char[]", self.buffer, require_writable=True)
+        h = _lib.ibv_reg_mr(pd._h, cbuf, length, int(access))
+        if h == _ffi.NULL:
+            err = int(_ffi.errno)
+            _ffi.release(cbuf)
+            if self._mmap is not None:
+                self._mmap.close()
+            raise _fail(err, "ibv_reg_mr", f"{length} bytes{_memlock_hint(err)}")
+        super().__init__((pd,))
+        self.pd = pd
+        self._h: Any = h
+        self._cbuf: Any = cbuf
+        self.addr: int = _addr(cbuf)
+        self.length: int = length
+        self.lkey: int = int(h.lkey)
+        self.rkey: int = int(h.rkey)
+        self.access = int(access)
+        _count(self._kind, 1)
+        _count("registered_bytes", length)
+
+    def __repr__(self) -> str:
+        return f"<MemoryRegion addr=0x{self.addr:x} len={self.length} lkey=0x{self.lkey:x} rkey=0x{self.rkey:x}>"
+
+    def view(self, offset: int = 0, length: int | None = None) -> memoryview:
+        """A writable memoryview of part of the region; release it when done."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}:{offset + length}] is outside the {self.length}-byte region")
+        with memoryview(self.buffer) as mv:
+            return mv.cast("B")[offset : offset + length]
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        with self.view(offset, len(data)) as v:
+            v[:] = data
+
+    def read(self, offset: int = 0, length: int | None = None) -> bytes:
+        with self.view(offset, length) as v:
+            return bytes(v)
+
+    def close(self) -> None:
+        """``ibv_dereg_mr``, then unmap the memory this object allocated."""
+        if self._closed:
+            return
+        rc = int(_lib.ibv_dereg_mr(self._h))
+        if rc:
+            raise _fail(rc, "ibv_dereg_mr")
+        self._h = None
+        _ffi.release(self._cbuf)
+        self._cbuf = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still out: the mapping goes when it is released
+            self._mmap = None
+        self.buffer = None
+        _count("registered_bytes", -self.length)
+        self._mark_closed()
+
+
+def _memlock_hint(err: int) -> str:
+    if err not in (_errno.ENOMEM, _errno.EPERM, _errno.EAGAIN):
+        return ""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, OSError, ValueError):  # pragma: no cover
+        return ""
+
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v} bytes"
+
+    return (
+        f"; registering memory pins it and counts against the locked-memory limit "
+        f"(RLIMIT_MEMLOCK soft {fmt(soft)}, hard {fmt(hard)}) -- raise it "
+        "(ulimit -l unlimited, LimitMEMLOCK=infinity for systemd, --ulimit memlock=-1 for docker)"
+    )
+
+
+# --------------------------------------------------------------------------
+# Completions
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkCompletion:
+    """A decoded ``ibv_wc``.  ``imm_data`` is host order, ``None`` without immediate."""
+
+    wr_id: int
+    status: int
+    opcode: int
+    byte_len: int
+    imm_data: int | None
+    qp_num: int
+    src_qp: int
+    vendor_err: int
+    wc_flags: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+    @property
+    def status_name(self) -> str:
+        """``"IBV_WC_SUCCESS"``, ``"IBV_WC_WR_FLUSH_ERR"``, ..."""
+        return wc_status_name(self.status)
+
+    @property
+    def status_str(self) -> str:
+        """``ibv_wc_status_str()``: ``"success"``, ``"Work Request Flushed Error"``, ..."""
+        if _lib is None:
+            return self.status_name
+        return str(_ffi.string(_lib.ibv_wc_status_str(self.status)).decode())
+
+    @property
+    def opcode_name(self) -> str:
+        try:
+            return WCOpcode(self.opcode).name
+        except ValueError:
+            return str(self.opcode)
+
+    @property
+    def is_recv(self) -> bool:
+        return bool(self.opcode & 128)
+
+    def error(self, call: str = "ibv_poll_cq") -> RDMAError:
+        """The :class:`RDMAError` describing a failed completion (errno EIO)."""
+        return RDMAError(
+            _errno.EIO,
+            call,
+            f"wr_id={self.wr_id} qp={self.qp_num} {self.status_str} vendor_err=0x{self.vendor_err:x}",
+            wc_status=self.status_name,
+        )
+
+    def raise_for_status(self) -> None:
+        if self.status != 0:
+            raise self.error()
+
+
+class WCArray:
+    """A preallocated array of flat completions for allocation-free polling.
+
+    ``cq.poll_into(arr)`` fills it and returns a count; read fields with the
+    cheap accessors or decode entries with ``arr[i]``.
+    """
+
+    def __init__(self, n: int) -> None:
+        _require_native("a WCArray")
+        if n <= 0:
+            raise ValueError("a WCArray needs at least one entry")
+        self.n = n
+        self._a: Any = _ffi.new("struct aiordma_wc[]", n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> WorkCompletion:
+        w = self._a[i]
+        flags = int(w.wc_flags)
+        return WorkCompletion(
+            int(w.wr_id), int(w.status), int(w.opcode), int(w.byte_len),
+            int(w.imm_data) if flags & _WC_WITH_IMM else None,
+            int(w.qp_num), int(w.src_qp), int(w.vendor_err), flags,
+        )  # fmt: skip
+
+    def decode(self, count: int) -> list[WorkCompletion]:
+        return [self[i] for i in range(count)]
+
+    def wr_id(self, i: int) -> int:
+        return int(self._a[i].wr_id)
+
+    def status(self, i: int) -> int:
+        return int(self._a[i].status)
+
+    def byte_len(self, i: int) -> int:
+        return int(self._a[i].byte_len)
+
+    def opcode(self, i: int) -> int:
+        return int(self._a[i].opcode)
+
+    def imm_data(self, i: int) -> int | None:
+        w = self._a[i]
+        return int(w.imm_data) if int(w.wc_flags) & _WC_WITH_IMM else None
+
+
+class CompletionChannel(_Resource):
+    """``ibv_create_comp_channel``; ``fileno()`` is non-blocking.
+
+    The fd becomes readable when a CQ attached to it was armed with
+    :meth:`CompletionQueue.req_notify` and a completion arrived.  Then call
+    :meth:`drain_events` (which also acknowledges the events), re-arm, and
+    poll the CQ.  ``close()`` needs the CQs attached to it closed first.
+    """
+
+    _kind = "channels"
+    _label = "completion channel"
+
+    def __init__(self, context: Context) -> None:
+        _require_native("a CompletionChannel")
+        context._ensure_open("ibv_create_comp_channel")
+        h = _lib.ibv_create_comp_channel(context._h)
+        if h == _ffi.NULL:
+            raise _fail(int(_ffi.errno), "ibv_create_comp_channel")
+        fd = int(_lib.aiordma_channel_fd(h))
+        rc = int(_lib.aiordma_set_nonblock(fd))
+        if rc < 0:  # pragma: no cover
+            _lib.ibv_destroy_comp_channel(h)
+            raise _fail(-rc, "fcntl(channel fd, O_NONBLOCK)")
+        super().__init__((context,))
+        self.context = context
+        self._h: Any = h
+        self._fd = fd
+        self._ev_max = 0
+        self._ev_cqs: Any = None
+        self._ev_counts: Any = None
+        self._ev_n: Any = _ffi.new("int *")
+        _count(self._kind, 1)
+
+    def fileno(self) -> int:
+        self._ensure_open("fileno")
+        return self._fd
+
+    def drain_events_per_cq(self, max_events: int = 64) -> dict[CompletionQueue, int]:
+        """Read pending events (until EAGAIN or ``max_events``), ack them, and count them per CQ."""
+        self._ensure_open("ibv_get_cq_event")
+        if max_events > self._ev_max:
+            self._ev_cqs = _ffi.new("struct ibv_cq *[]", max_events)
+            self._ev_counts = _ffi.new("unsigned int[]", max_events)
+            self._ev_max = max_events
+        total = int(_lib.aiordma_drain_cq_events(self._h, max_events, self._ev_cqs, self._ev_counts, self._ev_n))
+        _check(total, "ibv_get_cq_event")
+        out: dict[CompletionQueue, int] = {}
+        for i in range(int(self._ev_n[0])):
+            cq = self.context._cqs.get(_addr(self._ev_cqs[i]))
+            if cq is not None:
+                out[cq] = out.get(cq, 0) + int(self._ev_counts[i])
+        return out
+
+    def drain_events(self, max_events: int = 64) -> int:
+        """Read and acknowledge pending events; returns how many (0 if none)."""
+        return sum(self.drain_events_per_cq(max_events).values())
+
+    def close(self) -> None:
+        """``ibv_destroy_comp_channel``; the CQs using it must be closed first."""
+        if self._closed:
+            return
+        self._check_children("ibv_destroy_comp_channel")
+        rc = int(_lib.ibv_destroy_comp_channel(self._h))
+        if rc:
+            raise _fail(int(_ffi.errno) or rc, "ibv_destroy_comp_channel")
+        self._h = None
+        self._mark_closed()
+
+
+class CompletionQueue(_Resource):
+    """``ibv_create_cq`` with at least ``cqe`` entries, optionally on a channel.
+
+    ``close()`` (``ibv_destroy_cq``) needs the QPs using it closed first.
+    Events read by :meth:`CompletionChannel.drain_events` are already acked,
+    so destroying never waits on unacknowledged events.
+    """
+
+    _kind = "cqs"
+    _label = "completion queue"
+
+    def __init__(
+        self, context: Context, cqe: int = 256, channel: CompletionChannel | None = None, comp_vector: int = 0
+    ) -> None:
+        _require_native("a CompletionQueue")
+        context._ensure_open("ibv_create_cq")
+        if channel is not None:
+            channel._ensure_open("ibv_create_cq")
+        h = _lib.ibv_create_cq(context._h, cqe, _ffi.NULL, channel._h if channel else _ffi.NULL, comp_vector)
+        if h == _ffi.NULL:
+            raise _fail(int(_ffi.errno), "ibv_create_cq", f"cqe={cqe}")
+        super().__init__((context, channel) if channel else (context,))
+        self.context = context
+        self.channel = channel
+        self.cqe = cqe
+        self._h: Any = h
+        self._key = _addr(h)
+        context._cqs[self._key] = self
+        self._scratch = WCArray(16)
+        _count(self._kind, 1)
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm the CQ: the next completion makes the channel fd readable."""
+        self._ensure_open("ibv_req_notify_cq")
+        _check(int(_lib.aiordma_req_notify(self._h, 1 if solicited_only else 0)), "ibv_req_notify_cq")
+
+    def poll_into(self, arr: WCArray, max_entries: int | None = None) -> int:
+        """Poll up to ``max_entries`` (default ``len(arr)``) completions into ``arr``; returns the count."""
+        self._ensure_open("ibv_poll_cq")
+        n = arr.n if max_entries is None else min(max_entries, arr.n)
+        return _check(int(_lib.aiordma_poll_batch(self._h, n, arr._a)), "ibv_poll_cq")
+
+    def poll(self, max_entries: int = 16) -> list[WorkCompletion]:
+        """Poll up to ``max_entries`` completions (an empty list if none)."""
+        arr = self._scratch if max_entries <= self._scratch.n else WCArray(max_entries)
+        return arr.decode(self.poll_into(arr, max_entries))
+
+    def poll_spin_into(self, arr: WCArray, spin_ns: int, max_entries: int | None = None) -> int:
+        """Busy-poll (GIL released) up to ``spin_ns`` ns until something arrives; returns the count."""
+        self._ensure_open("ibv_poll_cq")
+        n = arr.n if max_entries is None else min(max_entries, arr.n)
+        return _check(int(_lib.aiordma_poll_spin(self._h, n, arr._a, int(spin_ns))), "ibv_poll_cq")
+
+    def poll_spin(self, max_entries: int = 16, spin_ns: int = 50_000) -> list[WorkCompletion]:
+        arr = self._scratch if max_entries <= self._scratch.n else WCArray(max_entries)
+        return arr.decode(self.poll_spin_into(arr, spin_ns, max_entries))
+
+    def close(self) -> None:
+        """``ibv_destroy_cq``; the QPs using it must be destroyed first."""
+        if self._closed:
+            return
+        self._check_children("ibv_destroy_cq")
+        rc = int(_lib.ibv_destroy_cq(self._h))
+        if rc:
+            raise _fail(rc, "ibv_destroy_cq")
+        self.context._cqs.pop(self._key, None)
+        self._h = None
+        self._mark_closed()
+
+
+# --------------------------------------------------------------------------
+# Queue pairs
+# --------------------------------------------------------------------------
+
+
+class PostError(RDMAError):
+    """``ibv_post_send``/``ibv_post_recv`` rejected a batch; ``posted`` were accepted before it."""
+
+    def __init__(self, err: int, call: str, posted: int, total: int) -> None:
+        super().__init__(err, call, f"posted {posted} of {total} work requests")
+        self.posted = posted
+        self.total = total
+
+
+@dataclass(slots=True)
+class SendWR:
+    """One send-queue work request (one scatter/gather entry).
+
+    ``opcode`` SEND / SEND_WITH_IMM / RDMA_WRITE / RDMA_WRITE_WITH_IMM /
+    RDMA_READ; ``remote_addr``/``rkey`` for the RDMA ones; ``imm_data`` (host
+    order) for the *_WITH_IMM ones.  ``length`` 0 posts no sge.
+    """
+
+    opcode: Opcode = Opcode.SEND
+    wr_id: int = 0
+    addr: int = 0
+    length: int = 0
+    lkey: int = 0
+    remote_addr: int = 0
+    rkey: int = 0
+    imm_data: int | None = None
+    signaled: bool = True
+    inline: bool = False
+    solicited: bool = False
+    fence: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QPCaps:
+    max_send_wr: int
+    max_recv_wr: int
+    max_send_sge: int
+    max_recv_sge: int
+    max_inline_data: int
+
+
+@dataclass(frozen=True, slots=True)
+class RCEndpoint:
+    """What one side of an RC connection tells the other: QP number, GID, first PSN."""
+
+    qp_num: int
+    gid: ipaddress.IPv6Address
+    psn: int = 0
+
+
+class QueuePair(_Resource):
+    """A reliable-connected queue pair (``ibv_create_qp``, ``IBV_QPT_RC``).
+
+    Bring it up with :meth:`to_init`, :meth:`to_rtr` (the remote QP number,
+    GID and PSN) and :meth:`to_rts`, or :meth:`connect` for all three.  The
+    retry counts are finite by default (``retry_cnt=7`` transport retries,
+    ``rnr_retry=6``: 7 would mean retrying forever when the peer has no
+    receive posted), so a dead or stalled peer ends in a failed completion
+    (``IBV_WC_RETRY_EXC_ERR`` / ``IBV_WC_RNR_RETRY_EXC_ERR``) instead of a hang.
+
+    Teardown: stop posting, :meth:`to_error`, poll the CQs until every
+    outstanding work request came back (flushed ones with
+    ``IBV_WC_WR_FLUSH_ERR``), then :meth:`close` (``ibv_destroy_qp``).
+    """
+
+    _kind = "qps"
+    _label = "queue pair"
+
+    def __init__(
+        self,
+        pd: ProtectionDomain,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue | None = None,
+        *,
+        max_send_wr: int = 64,
+        max_recv_wr: int = 64,
+        max_send_sge: int = 1,
+        max_recv_sge: int = 1,
+        max_inline_data: int = 0,
+        sq_sig_all: bool = False,
+    ) -> None:
+        _require_native("a QueuePair")
+        recv_cq = recv_cq or send_cq
+        for obj in (pd, send_cq, recv_cq):
+            obj._ensure_open("ibv_create_qp")
+        caps = _ffi.new("struct aiordma_qp_caps *")
+        caps.max_send_wr = max_send_wr
+        caps.max_recv_wr = max_recv_wr
+        caps.max_send_sge = max_send_sge
+        caps.max_recv_sge = max_recv_sge
+        caps.max_inline_data = max_inline_data
+        h = _lib.aiordma_create_rc_qp(pd._h, send_cq._h, recv_cq._h, caps, 1 if sq_sig_all else 0)
+        if h == _ffi.NULL:
+            raise _fail(
+                int(_ffi.errno),
+                "ibv_create_qp",
+                f"RC max_send_wr={max_send_wr} max_recv_wr={max_recv_wr} max_inline_data={max_inline_data}",
+            )
+        parents: tuple[_Resource, ...] = (pd, send_cq) if recv_cq is send_cq else (pd, send_cq, recv_cq)
+        super().__init__(parents)
+        self.pd = pd
+        self.context = pd.context
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self._h: Any = h
+        self._key = _addr(h)
+        self.qp_num: int = int(_lib.aiordma_qp_num(h))
+        self.caps = QPCaps(
+            int(caps.max_send_wr), int(caps.max_recv_wr), int(caps.max_send_sge),
+            int(caps.max_recv_sge), int(caps.max_inline_data),
+        )  # fmt: skip
+        self.port_num = 1
+        self.context._qps[self._key] = self
+        self._send_arr: Any = _ffi.new("struct aiordma_send_wr[]", max(1, self.caps.max_send_wr))
+        self._recv_n = max(1, self.caps.max_recv_wr)
+        self._recv_addrs: Any = _ffi.new("uint64_t[]", self._recv_n)
+        self._recv_lens: Any = _ffi.new("uint32_t[]", self._recv_n)
+        self._recv_ids: Any = _ffi.new("uint64_t[]", self._recv_n)
+        self._posted: Any = _ffi.new("int *")
+        _count(self._kind, 1)
+
+    def __repr__(self) -> str:
+        return f"<QueuePair qp_num={self.qp_num}{' closed' if self._closed else ''}>"
+
+    # state transitions ----------------------------------------------------
+    def to_init(self, port_num: int = 1, pkey_index: int = 0, access: int = DEFAULT_QP_ACCESS) -> None:
+        self._ensure_open("ibv_modify_qp(INIT)")
+        self.port_num = port_num
+        _check(int(_lib.aiordma_qp_to_init(self._h, port_num, pkey_index, int(access))), "ibv_modify_qp(INIT)")
+
+    def to_rtr(
+        self,
+        dest_qp_num: int,
+        dgid: str | bytes | ipaddress.IPv4Address | ipaddress.IPv6Address,
+        *,
+        sgid_index: int,
+        rq_psn: int = 0,
+        path_mtu: int = 1024,
+        port_num: int | None = None,
+        hop_limit: int = 64,
+        traffic_class: int = 0,
+        flow_label: int = 0,
+        sl: int = 0,
+        max_dest_rd_atomic: int = 1,
+        min_rnr_timer: int = 12,
+        is_global: bool = True,
+        dlid: int = 0,
+    ) -> None:
+        """INIT -> RTR towards the remote QP (RoCEv2: GRH with ``dgid`` and our ``sgid_index``)."""
+        self._ensure_open("ibv_modify_qp(RTR)")
+        a = _ffi.new("struct aiordma_rtr_attr *")
+        a.dgid = _gid_bytes(dgid)
+        a.dest_qp_num = dest_qp_num
+        a.rq_psn = rq_psn & 0xFFFFFF
+        a.path_mtu = _mtu_enum(path_mtu)
+        a.port_num = self.port_num if port_num is None else port_num
+        a.is_global = 1 if is_global else 0
+        a.sgid_index = sgid_index
+        a.hop_limit = hop_limit
+        a.traffic_class = traffic_class
+        a.flow_label = flow_label
+        a.sl = sl
+        a.dlid = dlid
+        a.max_dest_rd_atomic = max_dest_rd_atomic
+        a.min_rnr_timer = min_rnr_timer
+        _check(
+            int(_lib.aiordma_qp_to_rtr(self._h, a)),
+            "ibv_modify_qp(RTR)",
+            f"dest_qp_num={dest_qp_num} dgid={ipaddress.IPv6Address(_gid_bytes(dgid))} sgid_index={sgid_index}",
+        )
+
+    def to_rts(
+        self, sq_psn: int = 0, *, timeout: int = 14, retry_cnt: int = 7, rnr_retry: int = 6, max_rd_atomic: int = 1
+    ) -> None:
+        """RTR -> RTS.  ``timeout`` is 4.096 us * 2**timeout (14: ~67 ms); ``rnr_retry`` 7 = infinite."""
+        self._ensure_open("ibv_modify_qp(RTS)")
+        if not (0 <= retry_cnt <= 7 and 0 <= rnr_retry <= 7):
+            raise ValueError("retry_cnt and rnr_retry are 0..7")
+        a = _ffi.new("struct aiordma_rts_attr *")
+        a.sq_psn = sq_psn & 0xFFFFFF
+        a.timeout = timeout
+        a.retry_cnt = retry_cnt
+        a.rnr_retry = rnr_retry
+        a.max_rd_atomic = max_rd_atomic
+        _check(int(_lib.aiordma_qp_to_rts(self._h, a)), "ibv_modify_qp(RTS)")
+
+    def connect(
+        self,
+        remote: RCEndpoint,
+        *,
+        sgid_index: int,
+        sq_psn: int = 0,
+        port_num: int = 1,
+        path_mtu: int = 1024,
+        access: int = DEFAULT_QP_ACCESS,
+        rtr: dict[str, Any] | None = None,
+        rts: dict[str, Any] | None = None,
+    ) -> None:
+        """RESET -> INIT -> RTR -> RTS in one call (extra options via ``rtr``/``rts``)."""
+        self.to_init(port_num, access=access)
+        self.to_rtr(remote.qp_num, remote.gid, sgid_index=sgid_index, rq_psn=remote.psn, path_mtu=path_mtu,
+                    **(rtr or {}))  # fmt: skip
+        self.to_rts(sq_psn, **(rts or {}))
+
+    def to_error(self) -> None:
+        """Move to ERROR: outstanding work requests complete with ``IBV_WC_WR_FLUSH_ERR``."""
+        self._ensure_open("ibv_modify_qp(ERR)")
+        _check(int(_lib.aiordma_qp_to_state(self._h, QPState.ERR)), "ibv_modify_qp(ERR)")
+
+    def to_reset(self) -> None:
+        self._ensure_open("ibv_modify_qp(RESET)")
+        _check(int(_lib.aiordma_qp_to_state(self._h, QPState.RESET)), "ibv_modify_qp(RESET)")
+
+    @property
+    def state(self) -> QPState:
+        """The current state, asked from the device (``ibv_query_qp``)."""
+        self._ensure_open("ibv_query_qp")
+        return QPState(_check(int(_lib.aiordma_qp_state(self._h)), "ibv_query_qp"))
+
+    # posting --------------------------------------------------------------
+    def post_recv(self, addr: int, length: int, lkey: int, wr_id: int) -> None:
+        self.post_recv_batch((addr,), (length,), lkey, (wr_id,))
+
+    def post_recv_batch(self, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int]) -> None:
+        """Post receive buffers (one sge each, same ``lkey``) as chained WRs.
+
+        Raises :class:`PostError` (with ``posted``) if the device refused some.
+        """
+        self._ensure_open("ibv_post_recv")
+        n = len(addrs)
+        if not (len(lens) == len(wr_ids) == n):
+            raise ValueError("addrs, lens and wr_ids must have the same length")
+        if n == 0:
+            return
+        if n > self._recv_n:
+            self._recv_n = n
+            self._recv_addrs = _ffi.new("uint64_t[]", n)
+            self._recv_lens = _ffi.new("uint32_t[]", n)
+            self._recv_ids = _ffi.new("uint64_t[]", n)
+        ra, rl, ri = self._recv_addrs, self._recv_lens, self._recv_ids
+        for i in range(n):
+            ra[i] = addrs[i]
+            rl[i] = lens[i]
+            ri[i] = wr_ids[i]
+        rc = int(_lib.aiordma_post_recv_batch(self._h, n, ra, rl, lkey, ri, self._posted))
+        if rc < 0:
+            raise PostError(-rc, "ibv_post_recv", int(self._posted[0]), n)
+
+    def post_send(self, wr: SendWR) -> None:
+        self.post_send_batch((wr,))
+
+    def post_send_batch(self, wrs: Sequence[SendWR]) -> None:
+        """Post send-queue work requests as chained WRs (one C call per batch).
+
+        Raises :class:`PostError` (with ``posted``) if the device refused some.
+        """
+        self._ensure_open("ibv_post_send")
+        n = len(wrs)
+        if n == 0:
+            return
+        if n > len(self._send_arr):
+            self._send_arr = _ffi.new("struct aiordma_send_wr[]", n)
+        arr = self._send_arr
+        for i, w in enumerate(wrs):
+            s = arr[i]
+            s.wr_id = w.wr_id
+            s.addr = w.addr
+            s.length = w.length
+            s.lkey = w.lkey
+            s.remote_addr = w.remote_addr
+            s.rkey = w.rkey
+            s.imm_data = w.imm_data or 0
+            s.opcode = int(w.opcode)
+            s.send_flags = (
+                (SendFlags.SIGNALED if w.signaled else 0)
+                | (SendFlags.INLINE if w.inline else 0)
+                | (SendFlags.SOLICITED if w.solicited else 0)
+                | (SendFlags.FENCE if w.fence else 0)
+            )
+        rc = int(_lib.aiordma_post_send_batch(self._h, n, arr, self._posted))
+        if rc < 0:
+            raise PostError(-rc, "ibv_post_send", int(self._posted[0]), n)
+
+    def close(self) -> None:
+        """``ibv_destroy_qp``.  Move it to ERROR and drain its completions first."""
+        if self._closed:
+            return
+        rc = int(_lib.ibv_destroy_qp(self._h))
+        if rc:
+            raise _fail(rc, "ibv_destroy_qp")
+        self.context._qps.pop(self._key, None)
+        self._h = None
+        self._mark_closed()
+
+
+def iter_gids(ctx: Context, port: int = 1) -> Iterator[tuple[int, ipaddress.IPv6Address]]:
+    """Non-zero GIDs of a port as ``(index, gid)`` asked through verbs (``ibv_query_gid``)."""
+    n = ctx.query_port(port).gid_tbl_len
+    for i in range(n):
+        try:
+            g = ctx.query_gid(port, i)
+        except RDMAError:
+            continue
+        if g.packed != bytes(16):
+            yield i, g

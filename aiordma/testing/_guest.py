@@ -1,0 +1,241 @@
+"""Guest side of the Soft-RoCE VM runner (see :mod:`aiordma.testing.vm`).
+
+This file runs *inside* the virtme-ng guest as PID 1's script, started as
+``python -I -B _guest.py SPEC.json``.  It must only use the standard library
+(``-I`` keeps the environment out, and nothing from the project is imported).
+
+It:
+
+1. prints a "booted" marker on stderr (the host times the boot with it),
+2. loads ``rdma_rxe``, brings up ``lo``, creates one veth pair per requested
+   rxe device and binds ``rxeN`` to ``veth(2N)`` (address ``198.18.N.1/24``),
+3. waits until every device's port 1 is ACTIVE and GID index 1 is the RoCEv2
+   GID ``::ffff:198.18.N.1``, cross-checked with ``ibv_devinfo``,
+4. lowers the console log level, prints a "ready" marker and runs the command
+   with the environment from the spec, under a timeout,
+5. writes ``status.json`` next to the spec (the host reads the exit code from
+   there, and from the vng exit code) and exits with the command's exit code.
+
+Every step has a timeout.  Exit codes: the command's own; 124 when the command
+timed out; 125 when the guest setup failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Final
+
+#: Marker lines written on stderr; the host watches for them.
+BOOTED_MARKER: Final = "@@aiordma-vm:booted@@"
+READY_MARKER: Final = "@@aiordma-vm:ready@@"
+
+EXIT_TIMEOUT: Final = 124
+EXIT_SETUP_FAILED: Final = 125
+
+SYS_IB: Final = Path("/sys/class/infiniband")
+
+
+class SetupError(RuntimeError):
+    """The guest could not be prepared (module, links, rxe devices)."""
+
+
+def device_name(index: int) -> str:
+    return f"rxe{index}"
+
+
+def netdev_name(index: int) -> str:
+    return f"veth{2 * index}"
+
+
+def peer_name(index: int) -> str:
+    return f"veth{2 * index + 1}"
+
+
+def ipv4_address(index: int) -> str:
+    """Address of rxe device *index*'s netdev (all inside 198.18.0.0/15)."""
+    return f"198.18.{index}.1"
+
+
+def rocev2_gid(index: int) -> str:
+    """GID index 1 of rxe device *index*, as sysfs prints it."""
+    a, b, c, d = (int(part) for part in ipv4_address(index).split("."))
+    return f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
+
+
+def log(message: str) -> None:
+    print(f"aiordma-vm(guest): {message}", file=sys.stderr, flush=True)
+
+
+def run(argv: list[str], *, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise SetupError(f"{' '.join(argv)!r} timed out after {timeout:.0f} s") from exc
+    except OSError as exc:
+        raise SetupError(f"{' '.join(argv)!r} could not run: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise SetupError(
+            f"{' '.join(argv)!r} exited with {proc.returncode}: "
+            f"{(proc.stderr or proc.stdout).strip()}"
+        )
+    return proc
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def setup_devices(count: int, deadline: float) -> None:
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SetupError("device setup timed out")
+        return left
+
+    run(["modprobe", "rdma_rxe"], timeout=min(60.0, remaining()))
+    run(["ip", "link", "set", "lo", "up"], timeout=min(30.0, remaining()))
+    for i in range(count):
+        dev, veth, peer, addr = device_name(i), netdev_name(i), peer_name(i), ipv4_address(i)
+        run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer], timeout=min(30.0, remaining()))
+        run(["ip", "addr", "add", f"{addr}/24", "dev", veth], timeout=min(30.0, remaining()))
+        run(["ip", "link", "set", veth, "up"], timeout=min(30.0, remaining()))
+        run(["ip", "link", "set", peer, "up"], timeout=min(30.0, remaining()))
+        run(["rdma", "link", "add", dev, "type", "rxe", "netdev", veth], timeout=min(60.0, remaining()))
+
+    for i in range(count):
+        dev = device_name(i)
+        port = SYS_IB / dev / "ports" / "1"
+        want_gid = rocev2_gid(i)
+        while True:
+            state = _read(port / "state")
+            gid = _read(port / "gids" / "1")
+            if "ACTIVE" in state and gid == want_gid:
+                break
+            if time.monotonic() >= deadline:
+                raise SetupError(
+                    f"{dev} not ready: port state {state or '(missing)'!r}, "
+                    f"GID[1] {gid or '(missing)'!r} (want {want_gid})"
+                )
+            time.sleep(0.1)
+        info = run(["ibv_devinfo", "-d", dev], timeout=min(60.0, remaining()))
+        if "PORT_ACTIVE" not in info.stdout:
+            raise SetupError(f"ibv_devinfo -d {dev} does not show PORT_ACTIVE:\n{info.stdout}")
+
+
+def quiet_console() -> None:
+    """Keep kernel messages off the console once the command runs: the host
+    forwards everything on the console stream after the ready marker as the
+    command's stderr."""
+    try:
+        Path("/proc/sys/kernel/printk").write_text("1\n")
+    except OSError:
+        pass
+
+
+def raise_memlock() -> None:
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except (ValueError, OSError):
+        pass
+
+
+def write_status(path: Path, status: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(status))
+    os.replace(tmp, path)
+
+
+def run_command(argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> tuple[int, bool]:
+    """Run the command in its own process group; return (exit code, timed out)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"command timed out after {timeout:.0f} s; killing it")
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return EXIT_TIMEOUT, True
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 130, False
+    if code < 0:
+        code = 128 - code
+    return code, False
+
+
+def main(argv: list[str]) -> int:
+    t0 = time.monotonic()
+    print(BOOTED_MARKER, file=sys.stderr, flush=True)
+    spec_path = Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    status_path = spec_path.parent / "status.json"
+    status: dict[str, Any] = {"phase": "booted"}
+    write_status(status_path, status)
+
+    try:
+        setup_devices(int(spec["devices"]), t0 + float(spec["setup_timeout"]))
+    except SetupError as exc:
+        log(f"setup failed: {exc}")
+        try:
+            dmesg = run(["dmesg"], timeout=30, check=False).stdout
+        except SetupError:
+            dmesg = ""
+        status.update(phase="setup-failed", error=str(exc), dmesg_tail=dmesg.splitlines()[-40:])
+        write_status(status_path, status)
+        return EXIT_SETUP_FAILED
+    setup_seconds = time.monotonic() - t0
+    status.update(phase="ready", setup_seconds=setup_seconds)
+    write_status(status_path, status)
+
+    raise_memlock()
+    quiet_console()
+    print(READY_MARKER, file=sys.stderr, flush=True)
+
+    t1 = time.monotonic()
+    try:
+        code, timed_out = run_command(
+            list(spec["argv"]), str(spec["cwd"]), dict(spec["env"]), float(spec["timeout"])
+        )
+    except OSError as exc:
+        log(f"cannot run {spec['argv'][0]!r}: {exc}")
+        code, timed_out = 127, False
+    status.update(
+        phase="done",
+        returncode=code,
+        timed_out=timed_out,
+        command_seconds=time.monotonic() - t1,
+    )
+    write_status(status_path, status)
+    # Make sure what the command wrote reaches the host before power-off.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
