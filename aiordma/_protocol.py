@@ -618,6 +618,10 @@ class Connection:
                 event = self._handle_frame(FrameType(ftype), payload)
                 if event is not None:
                     events.append(event)
+        except (RemoteProtocolError, HandshakeError) as err:
+            if self._error is None:
+                self._fail(err)
+            raise
         finally:
             if self._error is None:
                 self._start = pos
