@@ -123,6 +123,7 @@ class Core:
         try:
             events = self.proto.receive_data(data)
         except (ProtocolError, HandshakeError) as exc:
+            self.on_events(exc.pending_events)
             self.on_error(exc)
         else:
             self.on_events(events)

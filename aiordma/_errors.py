@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "AiordmaError",
@@ -46,6 +46,11 @@ __all__ = [
 
 class AiordmaError(Exception):
     """Base class of every exception defined by aiordma."""
+
+    #: Set by the sans-IO protocol when it raises while parsing: the events it
+    #: decoded from the same input before the error, in order.  Deliver them
+    #: first, so that nothing the peer sent correctly is lost.
+    pending_events: list[Any] = []
 
 
 class ProtocolError(AiordmaError):

@@ -99,6 +99,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         try:
             events = core.proto.buffer_updated(nbytes)
         except (ProtocolError, HandshakeError) as exc:
+            core.on_events(exc.pending_events)
             core.on_error(exc)
             self._fail(exc)
         else:
@@ -311,9 +312,14 @@ class StreamLink(Link):
                             await self.stream.send(final)
                 except (BrokenResourceError, ClosedResourceError, OSError) as exc:
                     log.debug("could not send CLOSE: %r", exc)
-            with anyio.move_on_after(CLOSE_TIMEOUT) as scope:
-                await self.stream.aclose()
-            if scope.cancelled_caught:
+            closed = False
+            with anyio.move_on_after(CLOSE_TIMEOUT):
+                try:
+                    await self.stream.aclose()
+                    closed = True
+                except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                    log.debug("closing the stream failed: %r", exc)
+            if not closed:
                 await anyio.aclose_forcefully(self.stream)
 
     @property

@@ -302,7 +302,9 @@ class Connection:
     does not allow in the current state (nothing is sent and the connection
     stays usable), and :class:`RemoteProtocolError` / :class:`HandshakeError`
     when the peer broke the protocol (the connection is then closed: send the
-    bytes of :meth:`close` if you can, and drop it).
+    bytes of :meth:`close` if you can, and drop it).  Such an error carries in
+    ``pending_events`` the events decoded from the same input before it:
+    deliver those first, and nothing the peer sent correctly is lost.
     """
 
     def __init__(
@@ -344,6 +346,7 @@ class Connection:
         self._start = 0
         self._end = 0
         self._magic_left = len(MAGIC)
+        self._magic_sent = False
         self._data_left = 0  # payload bytes left in the current DATA frame
 
     # -- state machinery ---------------------------------------------------
@@ -420,6 +423,7 @@ class Connection:
         payload = encode_hello(hello)
         self._step(Input.SEND_HELLO, remote=False)
         self.local_hello = hello
+        self._magic_sent = True
         return MAGIC + frame(FrameType.HELLO, payload)
 
     def select(self, transport: Transport, reason: str = "") -> bytes:
@@ -498,7 +502,10 @@ class Connection:
         self.send_half = Half.CLOSED
         self.recv_half = Half.CLOSED
         self.handshake_deadline = None
-        return frame(FrameType.CLOSE, CLOSE_FIXED.pack(code) + _encode_reason(reason))
+        # a side that refuses before its HELLO still starts with the magic
+        prefix = b"" if self._magic_sent else MAGIC
+        self._magic_sent = True
+        return prefix + frame(FrameType.CLOSE, CLOSE_FIXED.pack(code) + _encode_reason(reason))
 
     # -- receiving ---------------------------------------------------------
 
@@ -621,6 +628,7 @@ class Connection:
         except (RemoteProtocolError, HandshakeError) as err:
             if self._error is None:
                 self._fail(err)
+            err.pending_events = events
             raise
         finally:
             if self._error is None:

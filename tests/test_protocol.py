@@ -297,7 +297,7 @@ def test_server_may_refuse_with_close_during_handshake() -> None:
     c = Connection(Role.CLIENT, Mode.STREAM, now=0.0)
     s = Connection(Role.SERVER, Mode.STREAM, now=0.0)
     s.receive_data(c.send_hello())
-    events = c.receive_data(MAGIC + s.close(2, "server requires RDMA"))
+    events = c.receive_data(s.close(2, "server requires RDMA"))  # starts with the magic
     assert events == [ConnectionClosed(2, "server requires RDMA")]
     assert c.state is State.CLOSED
 
@@ -387,3 +387,11 @@ def test_state_tables_are_consistent() -> None:
         assert any(new is State.OPEN for (r, _, _), new in HANDSHAKE.items() if r is role)
     assert all(new is State.CLOSED for (_, st_, _), new in HANDSHAKE.items() if st_ is State.CLOSED)
     assert all(old is not Half.CLOSED for old, _ in HALF)
+
+
+def test_events_before_an_error_are_not_lost() -> None:
+    c, s = pair(Mode.MESSAGES)
+    data = wire(c.send_message(b"good")) + HEADER.pack(FrameType.MESSAGE, 0, 1, 0)
+    with pytest.raises(RemoteProtocolError) as info:
+        s.receive_data(data)
+    assert info.value.pending_events == [Message(b"good")]
