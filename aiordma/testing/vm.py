@@ -348,7 +348,7 @@ def ensure_dependencies(*, install: bool = True) -> VMTools:
         if missing:
             packages = sorted({r.package for r in missing}, key=DEBIAN_PACKAGES.index)
             details = "; ".join(f"{r.what} ({r.package})" for r in missing)
-            how = "" if os.geteuid() == 0 else " (run this as root to install them automatically)"
+            how = "" if os.geteuid() == 0 else "\n(or run this as root: it installs them itself)"
             raise MissingDependencies(
                 f"missing: {details}.\nInstall them with:\n"
                 f"  sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y "
@@ -655,6 +655,7 @@ def run_in_vm(
 
     t_start = time.monotonic()
     keep = keep_scratch
+    raised = False
     console = open(console_path, "wb")
     try:
         console.write(("$ " + shlex.join(argv) + "\n").encode())
@@ -741,12 +742,15 @@ def run_in_vm(
             total_seconds=t_end - t_start,
             timed_out=timed_out,
         )
+    except VMError:
+        raised = True  # the caller reports it, with exc.scratch when kept
+        raise
     finally:
         console.close()
-        if keep:
-            _log(f"kept {scratch} (console.log, spec.json, status.json)")
-        else:
+        if not keep:
             shutil.rmtree(scratch, ignore_errors=True)
+        elif not raised and not quiet:
+            _log(f"kept {scratch} (console.log, spec.json, status.json)")
 
 
 # --------------------------------------------------------------------------
@@ -811,6 +815,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep or not name:
             parser.error(f"--env wants NAME=VALUE, got {item!r}")
         extra[name] = value
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # A cancelled CI job gets SIGTERM: stop the guest as for Ctrl-C.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         result = run_in_vm(
             cmd,
@@ -836,12 +845,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log("console log tail:")
             for line in exc.console_tail:
                 print("    " + line, file=sys.stderr)
+        if exc.scratch is not None:
+            _log(f"full console log: {exc.scratch / 'console.log'}")
         return EXIT_SETUP_FAILED
     except VMError as exc:
         _log(str(exc))
         return EXIT_SETUP_FAILED
     except KeyboardInterrupt:
-        _log("interrupted")
+        _log("interrupted; the guest was stopped")
         return 130
     return result.returncode
 
