@@ -39,6 +39,7 @@ import importlib
 import ipaddress
 import mmap
 import os
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -431,8 +432,10 @@ def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> lis
     Reads ``/sys/class/infiniband/<dev>/ports/<p>/{state,link_layer,gids,
     gid_attrs/types,gid_attrs/ndevs}``.  With ``query_verbs`` and the native
     module present, each device is opened briefly to ask the active and max
-    MTU (sysfs does not publish them); otherwise those are ``None``.  No
-    device (or no RDMA in the kernel) gives an empty list.
+    MTU (sysfs does not publish them; otherwise they are ``None``) and the
+    GID table in one ``ibv_query_gid_table`` call, which is much faster than
+    walking the (mostly empty) sysfs table.  No device (or no RDMA in the
+    kernel) gives an empty list.
     """
     try:
         devs = sorted(os.listdir(sysfs_root))
@@ -441,12 +444,14 @@ def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> lis
     result = []
     for dev in devs:
         mtus: dict[int, tuple[int | None, int | None]] = {}
+        verbs_gids: list[GidEntry] | None = None
         if query_verbs and _lib is not None and sysfs_root == SYSFS_IB:
             try:
                 with Context(dev) as ctx:
                     for p in range(1, ctx.query_device().phys_port_cnt + 1):
                         pa = ctx.query_port(p)
                         mtus[p] = (pa.active_mtu, pa.max_mtu)
+                    verbs_gids = ctx.query_gid_table()
             except (RDMAError, RDMAUnavailableError, LookupError):
                 pass
         ports = []
@@ -460,7 +465,11 @@ def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> lis
             state = state_raw.split(":", 1)[-1].strip() or "UNKNOWN"
             link_layer = _read(os.path.join(base, "link_layer")) or "Unspecified"
             active, maxm = mtus.get(p, (None, None))
-            ports.append(PortInfo(p, state, link_layer, active, maxm, _read_gids(sysfs_root, dev, p, link_layer)))
+            if verbs_gids is not None:
+                gids = tuple(g for g in verbs_gids if g.port == p)
+            else:
+                gids = _read_gids(sysfs_root, dev, p, link_layer)
+            ports.append(PortInfo(p, state, link_layer, active, maxm, gids))
         result.append(DeviceInfo(dev, _read(os.path.join(sysfs_root, dev, "node_guid")) or "", tuple(ports)))
     return result
 
@@ -478,7 +487,7 @@ def gid_for_ip(
     """
     want = ipaddress.IPv6Address(_gid_bytes(ip if not isinstance(ip, str) else ipaddress.ip_address(ip)))
     best: tuple[int, GidEntry] | None = None
-    for dev in list_devices(sysfs_root=sysfs_root, query_verbs=False):
+    for dev in list_devices(sysfs_root=sysfs_root):
         for port in dev.ports:
             for g in port.gids:
                 if g.gid == want and g.gid_type == gid_type:
@@ -697,6 +706,26 @@ class Context(_Resource):
         buf = _ffi.new("uint8_t[16]")
         _check(int(_lib.aiordma_query_gid(self._h, port, index, buf)), "ibv_query_gid", f"port {port} index {index}")
         return ipaddress.IPv6Address(bytes(_ffi.buffer(buf, 16)))
+
+    def query_gid_table(self) -> list[GidEntry]:
+        """Every valid GID of every port (``ibv_query_gid_table``), with type and netdev."""
+        self._ensure_open("ibv_query_gid_table")
+        ports = self.query_device().phys_port_cnt
+        room = sum(self.query_port(p).gid_tbl_len for p in range(1, ports + 1)) or 1
+        arr = _ffi.new("struct aiordma_gid_entry[]", room)
+        n = _check(int(_lib.aiordma_query_gid_table(self._h, arr, room)), "ibv_query_gid_table")
+        out = []
+        for i in range(n):
+            e = arr[i]
+            gtype = {0: "IB", 1: "RoCEv1", 2: "RoCEv2"}.get(int(e.gid_type), str(int(e.gid_type)))
+            ifindex = int(e.ndev_ifindex)
+            try:
+                ndev: str | None = socket.if_indextoname(ifindex) if ifindex else None
+            except OSError:
+                ndev = None
+            gid = ipaddress.IPv6Address(bytes(_ffi.buffer(e.gid, 16)))
+            out.append(GidEntry(self.name, int(e.port_num), int(e.gid_index), gid, gtype, ndev))
+        return sorted(out, key=lambda g: (g.port, g.index))
 
     def get_async_event(self) -> AsyncEvent | None:
         """Read one async event (non-blocking) and acknowledge it; ``None`` if none is pending."""
@@ -1101,7 +1130,7 @@ class CompletionQueue(_Resource):
         super().__init__((context, channel) if channel else (context,))
         self.context = context
         self.channel = channel
-        self.cqe = cqe
+        self.cqe: int = int(h.cqe)  # what the device granted (>= the cqe asked)
         self._h: Any = h
         self._key = _addr(h)
         context._cqs[self._key] = self
@@ -1357,9 +1386,16 @@ class QueuePair(_Resource):
         self.to_rts(sq_psn, **(rts or {}))
 
     def to_error(self) -> None:
-        """Move to ERROR: outstanding work requests complete with ``IBV_WC_WR_FLUSH_ERR``."""
+        """Move to ERROR: outstanding work requests complete with ``IBV_WC_WR_FLUSH_ERR``.
+
+        A QP still in RESET (never brought up) has nothing outstanding, and the
+        kernel refuses RESET -> ERR; that case is a silent no-op.
+        """
         self._ensure_open("ibv_modify_qp(ERR)")
-        _check(int(_lib.aiordma_qp_to_state(self._h, QPState.ERR)), "ibv_modify_qp(ERR)")
+        rc = int(_lib.aiordma_qp_to_state(self._h, QPState.ERR))
+        if rc == -_errno.EINVAL and int(_lib.aiordma_qp_state(self._h)) == QPState.RESET:
+            return
+        _check(rc, "ibv_modify_qp(ERR)")
 
     def to_reset(self) -> None:
         self._ensure_open("ibv_modify_qp(RESET)")
