@@ -20,9 +20,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +32,9 @@ from typing import Any
 import anyio
 from anyio import EndOfStream
 from anyio.abc import TaskGroup
+
+from ._api import Channel, Stream, connect, connect_channel, create_channel_listener, create_listener
+from ._attributes import TransportAttribute
 
 __all__ = ["main", "build_parser", "collect_info", "read_rdma_devices"]
 
@@ -214,7 +219,8 @@ def format_info(info: dict[str, Any]) -> str:
     if native["reason"]:
         lines.append(f"  {native['reason']}")
     rdma = info["rdma"]
-    lines.append(f"RDMA usable: {'yes' if rdma['usable'] else 'no'}" + (f" \u2014 {rdma['reason']}" if rdma["reason"] else ""))
+    usable = "yes" if rdma["usable"] else "no"
+    lines.append(f"RDMA usable: {usable}" + (f" \u2014 {rdma['reason']}" if rdma["reason"] else ""))
     if not rdma["sysfs_exists"]:
         lines.append(f"RDMA devices: none ({rdma['sysfs']} does not exist)")
     elif not rdma["devices"]:
@@ -241,7 +247,9 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"auto would use: {_describe_choice(info['auto'])}")
     default = info["default"]
     if default is not None and default["policy"] != "auto":
-        lines.append(f"default policy ({default['policy']}, from AIORDMA_TRANSPORT) would use: {_describe_choice(default)}")
+        lines.append(
+            f"default policy ({default['policy']}, from AIORDMA_TRANSPORT) would use: {_describe_choice(default)}"
+        )
     return "\n".join(lines)
 
 
@@ -275,9 +283,8 @@ class DemoResult:
 
 
 def _pattern(n: int, seed: int = 0) -> bytes:
-    """``n`` reproducible non-repeating-looking bytes (cheap to make)."""
-    block = bytes((i * 131 + seed * 17 + (i >> 8) * 7) & 0xFF for i in range(4096))
-    return (block * (n // len(block) + 1))[:n]
+    """``n`` reproducible pseudo-random bytes (a lost, doubled or moved block shows)."""
+    return random.Random(seed).randbytes(n)
 
 
 def _percentile(sorted_values: Sequence[float], fraction: float) -> float:
@@ -285,12 +292,14 @@ def _percentile(sorted_values: Sequence[float], fraction: float) -> float:
     return sorted_values[index]
 
 
+Connect = Callable[[], Awaitable[Stream]]
+
 # The byte-stream server understands one mode byte at the start of a connection.
 MODE_ECHO = b"E"  # echo every byte back, half-close at EOF
 MODE_DRAIN = b"D"  # read to EOF, then answer with the byte count (8 bytes)
 
 
-async def _receive_exactly(stream: Any, n: int) -> bytes:
+async def _receive_exactly(stream: Stream, n: int) -> bytes:
     parts = []
     left = n
     while left:
@@ -300,49 +309,44 @@ async def _receive_exactly(stream: Any, n: int) -> bytes:
     return b"".join(parts)
 
 
-async def _stream_server(stream: Any) -> None:
-    from . import Stream
-
-    assert isinstance(stream, Stream)
+async def _stream_server(stream: Stream) -> None:
+    """Echo (``MODE_ECHO``) or count (``MODE_DRAIN``) what one client sends."""
     async with stream:
         try:
             mode = await stream.receive(1)
-        except EndOfStream:
-            return
-        if mode == MODE_ECHO:
-            while True:
-                try:
-                    data = await stream.receive(MiB)
-                except EndOfStream:
-                    break
-                await stream.send(data)
-            await stream.send_eof()
-        elif mode == MODE_DRAIN:
-            total = 0
-            while True:
-                try:
-                    total += len(await stream.receive(MiB))
-                except EndOfStream:
-                    break
-            await stream.send(total.to_bytes(8, "big"))
-            await stream.send_eof()
-        # anything else: close
+            if mode == MODE_ECHO:
+                while True:
+                    try:
+                        data = await stream.receive(MiB)
+                    except EndOfStream:
+                        break
+                    await stream.send(data)
+                await stream.send_eof()
+            elif mode == MODE_DRAIN:
+                total = 0
+                while True:
+                    try:
+                        total += len(await stream.receive(MiB))
+                    except EndOfStream:
+                        break
+                await stream.send(total.to_bytes(8, "big"))
+                await stream.send_eof()
+            # anything else: close
+        except (EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the client went away; the client side reports what matters
 
 
-async def _channel_server(channel: Any) -> None:
-    from . import Channel
-
-    assert isinstance(channel, Channel)
+async def _channel_server(channel: Channel) -> None:
+    """Echo every message back."""
     async with channel:
-        while True:
-            try:
-                message = await channel.receive()
-            except EndOfStream:
-                break
-            await channel.send(message)
+        try:
+            async for message in channel:
+                await channel.send(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
 
 
-async def _check_stream_echo(connect: Callable[[], Awaitable[Any]], checks: list[str]) -> None:
+async def _check_stream_echo(connect: Connect, checks: list[str]) -> None:
     stream = await connect()
     async with stream:
         await stream.send(MODE_ECHO)
@@ -364,14 +368,16 @@ async def _check_stream_echo(connect: Callable[[], Awaitable[Any]], checks: list
                 except EndOfStream:
                     break
         if bytes(received) != expected:
-            first = next((i for i, (a, b) in enumerate(zip(received, expected)) if a != b), min(len(received), len(expected)))
+            shorter = min(len(received), len(expected))
+            first = next((i for i, (a, b) in enumerate(zip(received, expected)) if a != b), shorter)
             raise DemoFailure(
-                f"byte stream echo differs: sent {len(expected)} bytes, got {len(received)} back, first difference at {first}"
+                f"byte stream echo differs: sent {len(expected)} bytes, got {len(received)} back, "
+                f"first difference at byte {first}"
             )
     checks.append(f"byte stream: {len(expected)} bytes in {len(sizes)} writes echoed back intact, EOF seen")
 
 
-async def _check_messages(channel: Any, checks: list[str]) -> None:
+async def _check_messages(channel: Channel, checks: list[str]) -> None:
     sizes = [0, 1, 7, 64, 0, 4096, 65536, MiB, 17, 0]
     messages = [_pattern(n, seed) for seed, n in enumerate(sizes)]
     got: list[bytes] = []
@@ -390,10 +396,12 @@ async def _check_messages(channel: Any, checks: list[str]) -> None:
         bad = next(i for i, (a, b) in enumerate(zip(got, messages)) if a != b)
         raise DemoFailure(f"message {bad} ({sizes[bad]} bytes) came back changed")
     empties = sizes.count(0)
-    checks.append(f"messages: {len(sizes)} messages (sizes 0..{max(sizes)}, {empties} empty) echoed with boundaries kept")
+    checks.append(
+        f"messages: {len(sizes)} messages (sizes 0..{max(sizes)}, {empties} empty) echoed with boundaries kept"
+    )
 
 
-async def _measure_rtt(connect: Callable[[], Awaitable[Any]], round_trips: int) -> tuple[float, float]:
+async def _measure_rtt(connect: Connect, round_trips: int) -> tuple[float, float]:
     stream = await connect()
     async with stream:
         await stream.send(MODE_ECHO)
@@ -410,11 +418,18 @@ async def _measure_rtt(connect: Callable[[], Awaitable[Any]], round_trips: int) 
             times.append(clock() - t0)
             if answer != payload:
                 raise DemoFailure("a 64 B round trip came back changed")
+        await stream.send_eof()
+        try:
+            extra = await stream.receive()
+        except EndOfStream:
+            pass
+        else:
+            raise DemoFailure(f"the echo server sent {len(extra)} bytes more than it received")
     times.sort()
     return statistics.median(times) / 1000.0, _percentile(times, 0.99) / 1000.0
 
 
-async def _measure_throughput(connect: Callable[[], Awaitable[Any]], total: int) -> float:
+async def _measure_throughput(connect: Connect, total: int) -> float:
     stream = await connect()
     async with stream:
         await stream.send(MODE_DRAIN)
@@ -428,13 +443,19 @@ async def _measure_throughput(connect: Callable[[], Awaitable[Any]], total: int)
         await stream.send_eof()
         answer = await _receive_exactly(stream, 8)
         elapsed = time.perf_counter() - start
+        try:
+            await stream.receive()
+        except EndOfStream:
+            pass
+        else:
+            raise DemoFailure("the draining server sent more than its count")
     count = int.from_bytes(answer, "big")
     if count != total:
         raise DemoFailure(f"the server received {count} bytes of the {total} sent")
     return total / elapsed / 1e6
 
 
-async def _measure_message_rate(channel: Any, count: int) -> float:
+async def _measure_message_rate(channel: Channel, count: int) -> float:
     message = _pattern(64, 3)
 
     async def send_all() -> None:
@@ -451,35 +472,39 @@ async def _measure_message_rate(channel: Any, count: int) -> float:
 
 
 async def run_demo(transport: str | None, total_bytes: int, messages: int, round_trips: int) -> DemoResult:
-    import aiordma
-
     checks: list[str] = []
     host = "127.0.0.1"
-    stream_listener = await aiordma.create_listener(host, 0, transport=transport)
-    channel_listener = await aiordma.create_channel_listener(host, 0, transport=transport)
-    async with stream_listener, channel_listener, anyio.create_task_group() as servers:
+    async with (
+        await create_listener(host, 0, transport=transport) as stream_listener,
+        await create_channel_listener(host, 0, transport=transport) as channel_listener,
+        anyio.create_task_group() as servers,
+    ):
         tg: TaskGroup = servers
         tg.start_soon(stream_listener.serve, _stream_server, tg)
         tg.start_soon(channel_listener.serve, _channel_server, tg)
 
-        async def connect() -> aiordma.Stream:
-            return await aiordma.connect(host, stream_listener.port, transport=transport)
+        async def connect_stream() -> Stream:
+            return await connect(host, stream_listener.port, transport=transport)
 
-        first = await connect()
-        async with first:
-            kind = first.extra(aiordma.TransportAttribute.transport)
-            reason = first.extra(aiordma.TransportAttribute.fallback_reason)
+        async with await connect_stream() as first:
+            kind = first.extra(TransportAttribute.transport)
+            reason = first.extra(TransportAttribute.fallback_reason)
             await first.send(b"?")  # not a mode: the server closes
-        await _check_stream_echo(connect, checks)
-        channel = await aiordma.connect_channel(host, channel_listener.port, transport=transport)
-        async with channel:
-            if channel.extra(aiordma.TransportAttribute.transport) != kind:
+        await _check_stream_echo(connect_stream, checks)
+        async with await connect_channel(host, channel_listener.port, transport=transport) as channel:
+            if channel.extra(TransportAttribute.transport) != kind:
                 raise DemoFailure("the channel and the byte stream run on different transports")
             await _check_messages(channel, checks)
-            rtt_median, rtt_p99 = await _measure_rtt(connect, round_trips)
-            throughput = await _measure_throughput(connect, total_bytes)
+            rtt_median, rtt_p99 = await _measure_rtt(connect_stream, round_trips)
+            throughput = await _measure_throughput(connect_stream, total_bytes)
             rate = await _measure_message_rate(channel, messages)
             await channel.send_eof()
+            try:
+                extra = await channel.receive()
+            except EndOfStream:
+                pass
+            else:
+                raise DemoFailure(f"the channel server sent an extra message of {len(extra)} bytes")
         checks.append(f"throughput run: the server counted all {total_bytes} bytes")
         tg.cancel_scope.cancel()
     return DemoResult(kind, reason, checks, rtt_median, rtt_p99, throughput, total_bytes, rate, messages)
@@ -540,6 +565,13 @@ def format_demo(result: DemoResult, backend: str, policy: str) -> str:
     return "\n".join(lines)
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ._errors import AiordmaError, RDMAUnavailableError
     from ._negotiate import resolve_transport
@@ -567,20 +599,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         result = anyio.run(bounded, backend=backend, backend_options=options)
-    except ModuleNotFoundError as exc:
-        print(f"aiordma demo: error: backend {args.backend!r} is not available: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RDMAUnavailableError as exc:
-        print(f"aiordma demo: error: transport {policy!r} is not available here: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except DemoFailure as exc:
-        print(f"aiordma demo: FAILED: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except TimeoutError:
-        print(f"aiordma demo: FAILED: did not finish within {args.timeout} s", file=sys.stderr)
-        return EXIT_FAILED
-    except (AiordmaError, anyio.BrokenResourceError, anyio.ClosedResourceError, EndOfStream, OSError) as exc:
-        print(f"aiordma demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as raised:
+        leaf = _leaf(raised)
+        if isinstance(leaf, ModuleNotFoundError):
+            print(f"aiordma demo: error: backend {args.backend!r} is not available: {leaf}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(leaf, RDMAUnavailableError):
+            print(f"aiordma demo: error: transport {policy!r} is not available here: {leaf}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(leaf, DemoFailure):
+            print(f"aiordma demo: FAILED: {leaf}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(leaf, TimeoutError):
+            print(f"aiordma demo: FAILED: did not finish within {args.timeout} s", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(leaf, (AiordmaError, anyio.BrokenResourceError, anyio.ClosedResourceError, EndOfStream, OSError)):
+            print(f"aiordma demo: FAILED: {type(leaf).__name__}: {leaf}", file=sys.stderr)
+            return EXIT_FAILED
+        traceback.print_exception(raised)
+        print(f"aiordma demo: FAILED: unexpected {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return EXIT_FAILED
     print(format_demo(result, args.backend, policy))
     return EXIT_OK
@@ -598,17 +637,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    info = sub.add_parser("info", help="what this host has, and which transport 'auto' would use", description=(
-        "Print the versions, the native verbs module, the RDMA devices (ports, states, GIDs from sysfs), "
-        "$AIORDMA_TRANSPORT and the transport that transport='auto' would use here, with the reason."
-    ))
+    info = sub.add_parser(
+        "info",
+        help="what this host has, and which transport 'auto' would use",
+        description=(
+            "Print the versions, the native verbs module, the RDMA devices (ports, states, GIDs from sysfs), "
+            "$AIORDMA_TRANSPORT and the transport that transport='auto' would use here, with the reason."
+        ),
+    )
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     info.set_defaults(func=cmd_info)
 
-    demo = sub.add_parser("demo", help="echo bytes and messages over 127.0.0.1 and measure", description=(
-        "Start a byte-stream listener and a channel listener on 127.0.0.1 in this process, connect to each, "
-        "check that bytes and messages come back intact, and print latency, throughput and message rate."
-    ))
+    demo = sub.add_parser(
+        "demo",
+        help="echo bytes and messages over 127.0.0.1 and measure",
+        description=(
+            "Start a byte-stream listener and a channel listener on 127.0.0.1 in this process, connect to each, "
+            "check that bytes and messages come back intact, and print latency, throughput and message rate."
+        ),
+    )
     demo.add_argument(
         "--transport",
         choices=("auto", "tcp", "rdma"),
@@ -619,7 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio", help="event loop (default: asyncio)"
     )
     demo.add_argument(
-        "--bytes", type=_size, default=64 * MiB, metavar="N", help="bytes for the throughput run, e.g. 64M (default 64M)"
+        "--bytes",
+        type=_size,
+        default=64 * MiB,
+        metavar="N",
+        help="bytes for the throughput run, e.g. 64M (default 64M)",
     )
     demo.add_argument(
         "--messages", type=_positive, default=20_000, metavar="N", help="64 B messages for the rate (default 20000)"
@@ -639,3 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. piped into head: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
