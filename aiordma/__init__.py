@@ -29,6 +29,7 @@ from ._api import (
     create_listener,
 )
 from ._attributes import TransportAttribute
+from ._rdma import RdmaBackend, RdmaConfig
 from ._errors import (
     AiordmaError,
     HandshakeError,
@@ -53,6 +54,8 @@ __all__ = [
     "StreamListener",
     "ChannelListener",
     "TransportAttribute",
+    "RdmaBackend",
+    "RdmaConfig",
     "AiordmaError",
     "ProtocolError",
     "LocalProtocolError",

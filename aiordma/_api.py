@@ -63,6 +63,8 @@ class Options:
     server_hostname: str | None = None
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: the RDMA backend (``aiordma.RdmaBackend``); None: the default one
+    backend: object | None = None
 
     def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
         return Connection(
@@ -78,6 +80,7 @@ def make_options(
     handshake_timeout: float,
     *,
     server: bool,
+    backend: object | None = None,
 ) -> Options:
     choice = resolve_transport(transport)
     context: _ssl.SSLContext | None
@@ -91,7 +94,7 @@ def make_options(
         context = ssl
     if server_hostname is not None and context is None:
         raise ValueError("server_hostname is only meaningful with ssl")
-    return Options(choice, context, server_hostname, max_message_size, handshake_timeout)
+    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend)
 
 
 class _Guard:
@@ -226,7 +229,7 @@ async def _discard(core: Core) -> None:
 
 async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
     tls = opts.ssl is not None
-    local_offer(opts.transport, "client", tls=tls)  # strict policy: fail before connecting
+    local_offer(opts.transport, "client", tls=tls, backend=opts.backend)  # strict policy: fail before connecting
     link: Link
     if running_on_asyncio():
         loop = asyncio.get_running_loop()
@@ -247,7 +250,7 @@ async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
         link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
     core = link.core
     try:
-        await client_handshake(core, opts.transport, tls=tls)
+        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend)
     except BaseException:
         await _discard(core)
         raise
@@ -262,6 +265,7 @@ async def connect(
     ssl: _ssl.SSLContext | bool | None = None,
     server_hostname: str | None = None,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: object | None = None,
 ) -> Stream:
     """Connect to an aiordma byte-stream listener; returns a :class:`Stream`.
 
@@ -273,8 +277,12 @@ async def connect(
     always carry their data on TCP.  Raises ``OSError`` when the TCP connection
     fails and :class:`~aiordma.HandshakeError` when the peer is no aiordma
     byte-stream listener or does not answer within ``handshake_timeout``.
+    ``rdma_backend`` (an :class:`aiordma.RdmaBackend`) sets the RDMA sizes and
+    timeouts (``RdmaBackend(RdmaConfig(...))``); tests inject failing ones.
     """
-    opts = make_options(transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False)
+    opts = make_options(
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+    )
     return Stream(await _open(host, port, Mode.STREAM, opts))
 
 
@@ -287,13 +295,16 @@ async def connect_channel(
     server_hostname: str | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: object | None = None,
 ) -> Channel:
     """Connect to an aiordma channel listener; returns a :class:`Channel`.
 
     ``max_message_size`` bounds the messages this side accepts (the peer's own
     limit bounds what we may send).  Other arguments as for :func:`connect`.
     """
-    opts = make_options(transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False)
+    opts = make_options(
+        transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False, backend=rdma_backend
+    )
     return Channel(await _open(host, port, Mode.MESSAGES, opts))
 
 
@@ -410,7 +421,9 @@ class _BaseListener(Generic[E]):
         async def handle(link: Link) -> None:
             core = link.core
             try:
-                await server_handshake(core, self._opts.transport, tls=self._opts.ssl is not None)
+                await server_handshake(
+                    core, self._opts.transport, tls=self._opts.ssl is not None, backend=self._opts.backend
+                )
             except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
                 log.info("aiordma: dropped a client during the handshake: %s", exc)
                 await _discard(core)
@@ -462,7 +475,7 @@ class ChannelListener(_BaseListener[Channel], Listener[Channel]):
 
 
 async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _Acceptor:
-    local_offer(opts.transport, "server", tls=opts.ssl is not None)  # strict policy: fail now
+    local_offer(opts.transport, "server", tls=opts.ssl is not None, backend=opts.backend)  # strict: fail now
     if running_on_asyncio():
         return await _AsyncioAcceptor.create(host, port, mode, opts, backlog)
     return await _AnyioAcceptor.create(host, port, mode, opts, backlog)
@@ -476,13 +489,16 @@ async def create_listener(
     ssl: _ssl.SSLContext | None = None,
     backlog: int = 100,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: object | None = None,
 ) -> StreamListener:
     """Listen for aiordma byte streams on ``host``/``port`` (port 0: any free port).
 
     With ``transport="rdma"`` it raises :class:`~aiordma.RDMAUnavailableError`
     at once when this host cannot do RDMA, and refuses clients that cannot.
     """
-    opts = make_options(transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True)
+    opts = make_options(
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+    )
     return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, backlog), opts)
 
 
@@ -495,7 +511,10 @@ async def create_channel_listener(
     backlog: int = 100,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: object | None = None,
 ) -> ChannelListener:
     """Listen for aiordma message channels; see :func:`create_listener`."""
-    opts = make_options(transport, ssl, None, max_message_size, handshake_timeout, server=True)
+    opts = make_options(
+        transport, ssl, None, max_message_size, handshake_timeout, server=True, backend=rdma_backend
+    )
     return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, backlog), opts)

@@ -141,7 +141,7 @@ def _would_use(policy: str) -> dict[str, Any]:
         offer = local_offer(choice, "client")
     except RDMAUnavailableError as exc:
         return {"policy": choice, "transport": None, "reason": f"fails with RDMAUnavailableError: {exc}", "error": True}
-    if offer.rdma_params is not None:
+    if offer.rdma:
         return {"policy": choice, "transport": "rdma", "reason": "if the peer offers RDMA too", "error": False}
     return {"policy": choice, "transport": "tcp", "reason": offer.reason, "error": False}
 

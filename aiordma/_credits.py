@@ -68,17 +68,34 @@ def unpack_imm(imm: int) -> tuple[SendKind, int, int]:
 
 
 class Credits:
-    """The credits of one side of an RDMA connection (both sides use the same sizes)."""
+    """The credits of one side of an RDMA connection.
 
-    def __init__(self, window: int, control: int = 2, threshold: int | None = None) -> None:
-        if window < 1 or not 1 <= control <= _CTRL_MASK:
-            raise ValueError("window must be >= 1 and control between 1 and 127")
+    ``window``/``control`` are the buffers the *peer* posted (what we may send);
+    ``local_window``/``local_control`` the buffers *we* post (default: the same).
+    """
+
+    def __init__(
+        self,
+        window: int,
+        control: int = 2,
+        threshold: int | None = None,
+        *,
+        local_window: int | None = None,
+        local_control: int | None = None,
+    ) -> None:
+        local_window = window if local_window is None else local_window
+        local_control = control if local_control is None else local_control
+        for w, c in ((window, control), (local_window, local_control)):
+            if w < 1 or not 1 <= c <= _CTRL_MASK:
+                raise ValueError("windows must be >= 1 and control between 1 and 127")
         if threshold is None:
-            threshold = max(1, window // 2)
-        if not 1 <= threshold <= max(1, window // 2):
-            raise ValueError("threshold must be between 1 and half the window")
+            threshold = max(1, local_window // 2)
+        if not 1 <= threshold <= max(1, local_window // 2):
+            raise ValueError("threshold must be between 1 and half the local window")
         self.window = window
         self.control = control
+        self.local_window = local_window
+        self.local_control = local_control
         self.threshold = threshold
         #: sends we may post, by kind
         self.available = window
@@ -87,13 +104,13 @@ class Credits:
         self.to_return = 0
         self.control_to_return = 0
         #: data credits the peer holds on us, as far as we know
-        self.peer_available = window
-        self.peer_control_available = control
+        self.peer_available = local_window
+        self.peer_control_available = local_control
 
     @property
     def buffers(self) -> int:
-        """How many receive buffers each side keeps posted."""
-        return self.window + self.control
+        """How many receive buffers we keep posted."""
+        return self.local_window + self.local_control
 
     def can_send_data(self) -> bool:
         return self.available > 0
@@ -147,10 +164,10 @@ class Credits:
     def on_repost(self, kind: SendKind) -> None:
         """We posted again the buffer that a SEND of ``kind`` had consumed."""
         if kind is SendKind.DATA:
-            if self.to_return + self.peer_available >= self.window:
+            if self.to_return + self.peer_available >= self.local_window:
                 raise CreditError("more data buffers re-posted than were consumed")
             self.to_return += 1
         else:
-            if self.control_to_return + self.peer_control_available >= self.control:
+            if self.control_to_return + self.peer_control_available >= self.local_control:
                 raise CreditError("more control buffers re-posted than were consumed")
             self.control_to_return += 1

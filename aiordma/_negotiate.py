@@ -1,17 +1,21 @@
 """The handshake over a link, and the fallback policy.
 
 Every connection starts with HELLOs over its TCP link.  Each side offers RDMA
-when its policy allows and its host can; the client then SELECTs the
-transport.  The reason for TCP is one sentence naming the side it concerns
-("client: no RDMA device ..."); both ends record the same sentence.
+when its policy allows and its host can (then its HELLO carries the
+parameters of a queue pair it prepared); the client brings its QP up, proves
+the path, and SELECTs the transport.  The reason for TCP is one sentence
+naming the side it concerns ("client: no RDMA device ...",
+"server: RDMA setup failed at rtr: ..."); both ends record the same sentence.
 
-``transport`` is a policy:
+``transport`` is a policy over the RDMA backend:
 
 * ``"tcp"`` -- never offer RDMA;
-* ``"auto"`` -- offer RDMA when this host can, fall back to TCP otherwise;
+* ``"auto"`` -- offer RDMA when this host can, fall back to TCP on any
+  failure (no device, native module missing, peer without RDMA, unreachable
+  GID, a QP transition failing, the setup timing out);
 * ``"rdma"`` -- strict: a connection that cannot run on RDMA fails with
   :class:`~aiordma.RDMAUnavailableError` (locally before any connection when
-  this host cannot, or at the handshake when the peer cannot).
+  this host cannot, at the handshake otherwise).
 
 The default comes from the environment variable ``AIORDMA_TRANSPORT`` (then
 ``"auto"``); an explicit argument wins over it.
@@ -28,9 +32,16 @@ import anyio
 from ._core import Core
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._protocol import CAP_RDMA, CloseCode, Event, HelloReceived, TransportSelected
-from ._rdma_probe import probe
 
-__all__ = ["TransportChoice", "resolve_transport", "LocalOffer", "local_offer", "client_handshake", "server_handshake"]
+__all__ = [
+    "TransportChoice",
+    "resolve_transport",
+    "LocalOffer",
+    "local_offer",
+    "client_handshake",
+    "server_handshake",
+    "default_backend",
+]
 
 TransportChoice = Literal["auto", "rdma", "tcp"]
 _CHOICES: tuple[TransportChoice, ...] = ("auto", "rdma", "tcp")
@@ -50,39 +61,46 @@ def resolve_transport(transport: str | None) -> TransportChoice:
     raise ValueError(f"{source}{transport!r} is not one of 'auto', 'rdma', 'tcp'")
 
 
+def default_backend() -> object:
+    """The RDMA backend used when none is given (imported lazily: verbs are optional)."""
+    from ._rdma import RdmaBackend
+
+    return RdmaBackend()
+
+
 @dataclass(frozen=True)
 class LocalOffer:
-    """What this side puts in its HELLO."""
+    """Whether this side may offer RDMA, and why not."""
 
-    rdma_params: bytes | None
+    rdma: bool
     reason: str  # why no RDMA ("" when offered)
 
     @property
     def capabilities(self) -> int:
-        return CAP_RDMA if self.rdma_params is not None else 0
+        return CAP_RDMA if self.rdma else 0
 
 
-def local_offer(choice: TransportChoice, side: str, *, tls: bool = False) -> LocalOffer:
+def local_offer(
+    choice: TransportChoice, side: str, *, tls: bool = False, backend: object | None = None
+) -> LocalOffer:
     """Decide what to offer; raises :class:`RDMAUnavailableError` for a strict policy that cannot be met."""
     if choice == "tcp":
-        return LocalOffer(None, f"{side}: transport='tcp' was requested")
+        return LocalOffer(False, f"{side}: transport='tcp' was requested")
     if tls:
         reason = f"{side}: TLS was requested, and RDMA data would bypass TLS"
         if choice == "rdma":
             raise RDMAUnavailableError(reason)
-        return LocalOffer(None, reason)
-    found = probe()
+        return LocalOffer(False, reason)
+    from ._rdma import RdmaBackend
+
+    rdma = backend if isinstance(backend, RdmaBackend) else RdmaBackend()
+    found = rdma.probe()
     if not found.usable:
         reason = f"{side}: {found.reason}"
         if choice == "rdma":
             raise RDMAUnavailableError(reason)
-        return LocalOffer(None, reason)
-    # A usable device: the RDMA transport builds its parameters here.  Until it
-    # exists the offer stays TCP, and says so.
-    reason = f"{side}: the RDMA transport is not implemented in this version"
-    if choice == "rdma":
-        raise RDMAUnavailableError(reason)
-    return LocalOffer(None, reason)
+        return LocalOffer(False, reason)
+    return LocalOffer(True, "")
 
 
 async def _next_control(core: Core, kind: type[E]) -> E:
@@ -116,42 +134,116 @@ async def _refuse(core: Core, reason: str) -> None:
     await core.link.aclose(core.proto.close(CloseCode.REFUSED, reason))
 
 
-async def client_handshake(core: Core, choice: TransportChoice, *, tls: bool = False) -> None:
+def _open_endpoint(core: Core, backend: object | None, side: str) -> tuple[object | None, str]:
+    """Prepare an RDMA endpoint behind the link's local address, or say why not."""
+    from ._rdma import RdmaBackend, RdmaSetupError, local_ip_of
+
+    rdma = backend if isinstance(backend, RdmaBackend) else RdmaBackend()
+    try:
+        return rdma.open(local_ip_of(core.link)), ""
+    except RdmaSetupError as exc:
+        return None, f"{side}: {exc}"
+
+
+async def client_handshake(
+    core: Core, choice: TransportChoice, *, tls: bool = False, backend: object | None = None
+) -> None:
     """Run the client's half of the handshake; on return the connection is open."""
-    offer = local_offer(choice, "client", tls=tls)
+    from ._rdma import RdmaEndpoint, RdmaLink, RdmaSetupError
+
+    offer = local_offer(choice, "client", tls=tls, backend=backend)
     proto = core.proto
-    await core.link.send(
-        [proto.send_hello(capabilities=offer.capabilities, rdma_params=offer.rdma_params, no_rdma_reason=offer.reason)]
-    )
-    hello = (await _next_control(core, HelloReceived)).hello
+    endpoint: RdmaEndpoint | None = None
     reason = offer.reason
-    if not reason and not hello.can_rdma:
-        reason = hello.no_rdma_reason or "server: offers no RDMA"
-    if choice == "rdma":
-        # reaching here means the server cannot (the client could, or local_offer raised)
-        await _refuse(core, reason)
-        raise RDMAUnavailableError(reason)
-    await core.link.send([proto.select("tcp", reason)])
-    core.transport = "tcp"
-    core.fallback_reason = reason
+    if offer.rdma:
+        opened, reason = _open_endpoint(core, backend, "client")
+        endpoint = opened if isinstance(opened, RdmaEndpoint) else None
+    try:
+        params = endpoint.params.encode() if endpoint is not None else None
+        await core.link.send(
+            [
+                proto.send_hello(
+                    capabilities=CAP_RDMA if params is not None else 0, rdma_params=params, no_rdma_reason=reason
+                )
+            ]
+        )
+        hello = (await _next_control(core, HelloReceived)).hello
+        if endpoint is not None and not hello.can_rdma:
+            reason = hello.no_rdma_reason or "server: offers no RDMA"
+        elif endpoint is not None:
+            try:
+                endpoint.connect(hello.rdma_params)
+                await endpoint.probe_path()
+            except RdmaSetupError as exc:
+                reason = f"client: {exc}"
+        if reason:
+            if endpoint is not None:
+                await endpoint.aclose()
+                endpoint = None
+            if choice == "rdma":
+                await _refuse(core, reason)
+                raise RDMAUnavailableError(reason)
+            await core.link.send([proto.select("tcp", reason)])
+            core.transport = "tcp"
+            core.fallback_reason = reason
+            return
+        assert endpoint is not None
+        await core.link.send([proto.select("rdma", "")])
+        RdmaLink(endpoint, core.link, core)
+        endpoint = None  # owned by the link now
+    finally:
+        if endpoint is not None:
+            await endpoint.aclose()
 
 
-async def server_handshake(core: Core, choice: TransportChoice, *, tls: bool = False) -> None:
+async def server_handshake(
+    core: Core, choice: TransportChoice, *, tls: bool = False, backend: object | None = None
+) -> None:
     """Run the server's half of the handshake; on return the connection is open."""
+    from ._rdma import RdmaEndpoint, RdmaLink, RdmaSetupError
+
     proto = core.proto
     hello = (await _next_control(core, HelloReceived)).hello
     try:
-        offer = local_offer(choice, "server", tls=tls)
+        offer = local_offer(choice, "server", tls=tls, backend=backend)
     except RDMAUnavailableError as exc:
         await _refuse(core, f"server requires RDMA: {exc.reason}")
         raise
-    if choice == "rdma" and not hello.can_rdma:
-        reason = f"server requires RDMA; {hello.no_rdma_reason or 'client: offers no RDMA'}"
-        await _refuse(core, reason)
-        raise RDMAUnavailableError(reason)
-    await core.link.send(
-        [proto.send_hello(capabilities=offer.capabilities, rdma_params=offer.rdma_params, no_rdma_reason=offer.reason)]
-    )
-    selected = await _next_control(core, TransportSelected)
-    core.transport = selected.transport
-    core.fallback_reason = selected.reason
+    endpoint: RdmaEndpoint | None = None
+    reason = offer.reason
+    if offer.rdma and not hello.can_rdma:
+        reason = hello.no_rdma_reason or "client: offers no RDMA"
+    elif offer.rdma:
+        opened, reason = _open_endpoint(core, backend, "server")
+        endpoint = opened if isinstance(opened, RdmaEndpoint) else None
+        if endpoint is not None:
+            try:
+                endpoint.connect(hello.rdma_params)
+            except RdmaSetupError as exc:
+                reason = f"server: {exc}"
+                await endpoint.aclose()
+                endpoint = None
+    try:
+        if choice == "rdma" and endpoint is None:
+            reason = f"server requires RDMA; {reason}"
+            await _refuse(core, reason)
+            raise RDMAUnavailableError(reason)
+        params = endpoint.params.encode() if endpoint is not None else None
+        await core.link.send(
+            [
+                proto.send_hello(
+                    capabilities=CAP_RDMA if params is not None else 0, rdma_params=params, no_rdma_reason=reason
+                )
+            ]
+        )
+        selected = await _next_control(core, TransportSelected)
+        if selected.transport == "rdma":
+            assert endpoint is not None  # the protocol checked that both offered it
+            RdmaLink(endpoint, core.link, core)
+            endpoint = None
+        else:
+            core.transport = "tcp"
+            core.fallback_reason = selected.reason
+    finally:
+        if endpoint is not None:
+            await endpoint.aclose()

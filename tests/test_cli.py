@@ -39,7 +39,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def auto_outcome() -> tuple[str, str]:
     """What a client with transport='auto' offers on this host: (transport, reason)."""
     offer = local_offer("auto", "client")
-    if offer.rdma_params is not None:
+    if offer.rdma:
         return "rdma", ""
     return "tcp", offer.reason
 

@@ -24,7 +24,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def expected_transport_lines() -> list[str]:
     offer = local_offer("auto", "client")
-    if offer.rdma_params is not None:
+    if offer.rdma:
         return ["transport: rdma", "fallback reason: (none: RDMA)"]
     return ["transport: tcp", f"fallback reason: {offer.reason}"]
 

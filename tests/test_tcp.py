@@ -263,10 +263,10 @@ async def test_strict_server_refuses_a_tcp_only_client(anyio_backend: Any, monke
 
     real = _negotiate.local_offer
 
-    def fake_offer(choice: Any, side: str, *, tls: bool = False) -> Any:
+    def fake_offer(choice: Any, side: str, *, tls: bool = False, backend: object | None = None) -> Any:
         if side == "server":
-            return _negotiate.LocalOffer(b"params", "")
-        return real(choice, side, tls=tls)
+            return _negotiate.LocalOffer(True, "")
+        return real(choice, side, tls=tls, backend=backend)
 
     monkeypatch.setattr(_negotiate, "local_offer", fake_offer)
     monkeypatch.setattr("aiordma._api.local_offer", fake_offer)

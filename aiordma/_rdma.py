@@ -1,0 +1,695 @@
+"""The RDMA transport: an RC queue pair that carries the protocol's frames.
+
+Theory of operation
+-------------------
+The handshake runs on TCP (``_negotiate.py``).  When both sides offer RDMA,
+each side creates an :class:`RdmaEndpoint` -- context, PD, completion channel,
+CQ, an RC QP and two registered pools -- posts its receive buffers, and sends
+its :class:`~aiordma._rdma_params.RdmaParams` in its HELLO.  Both QPs move to
+RTR/RTS; the client proves the path with a zero-length RDMA WRITE (it needs the
+peer's ACK and consumes no receive buffer) and then SELECTs RDMA.  From then on
+the Core's link is an :class:`RdmaLink`: the protocol's frames (DATA,
+MESSAGE, EOF, CLOSE -- the same bytes as on TCP) travel in SENDs with
+immediate data, and the TCP connection stays open, silent, as the liveness
+channel: its end (or any byte on it) means the peer is gone.
+
+* **Ownership.**  A buffer posted to the NIC belongs to the device until its
+  completion is polled -- flushed completions after ``QP -> ERROR`` included.
+  Receive slots go POSTED -> COMPLETED -> (their bytes are copied into the
+  protocol's buffer) -> posted again; send slots go ACQUIRED (filled) ->
+  POSTED -> FREE on their send completion.  ``aiordma._mempool`` enforces it.
+* **Flow control.**  A SEND needs a posted receive buffer at the peer; the
+  credits of ``_credits.py`` guarantee one.  A receive slot is re-posted (and
+  its credit returned) only once its bytes were taken into the Core, and the
+  link stops doing so while 1 MiB waits unread: a reader that does not read
+  stalls the writer instead of growing memory.  ``rnr_retry`` is finite, so a
+  broken accounting surfaces as an error, never as a hang.
+* **Event loop.**  Nothing runs in the background.  A task that must wait
+  (a receiver without data, a sender without credit) takes the progress lock,
+  drains and acknowledges the completion channel's events, re-arms the CQ and
+  then polls it until it is empty (arm-then-poll: a completion that arrives
+  after the poll raises a new event), and sleeps in the event loop on one
+  epoll fd that holds the completion channel, the device's async-event fd and
+  the TCP socket.  No busy loop when idle.
+* **Teardown.**  Stop posting; send CLOSE (bounded); move the QP to ERROR;
+  poll until every posted work request came back; acknowledge all CQ events;
+  destroy QP, CQ, channel; deregister the pools; free PD and context; close
+  the epoll fd and the TCP connection.  The same path runs on errors and under
+  cancellation (shielded, bounded).
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import random
+import select
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio import BrokenResourceError, ClosedResourceError
+from anyio.abc import SocketAttribute
+
+from . import _verbs as verbs
+from ._attributes import TransportAttribute
+from ._core import RECEIVE_HIGH_WATER, Core, Link
+from ._credits import CreditError, Credits, SendKind, pack_imm, unpack_imm
+from ._errors import RDMAError, RemoteProtocolError
+from ._mempool import MemoryPool, Slot, SlotState, pd_registrar
+from ._protocol import Chunk
+from ._rdma_params import MTU_BYTES, RdmaParams
+from ._rdma_probe import Probe, probe
+
+__all__ = ["RdmaConfig", "RdmaBackend", "RdmaEndpoint", "RdmaLink", "RdmaSetupError", "local_ip_of"]
+
+log = logging.getLogger("aiordma")
+
+SEND_TAG = 1 << 63  # wr_id bit: a send-queue work request
+CREDIT_TAG = 1 << 62  # wr_id bit: a credit-only SEND (no slot)
+PROBE_TAG = 1 << 61  # wr_id bit: the path probe (zero-length RDMA WRITE)
+_TAGS = SEND_TAG | CREDIT_TAG | PROBE_TAG
+_MTU_CODES = {v: k for k, v in MTU_BYTES.items()}
+_FLUSH = verbs.WCStatus.WR_FLUSH_ERR
+
+
+@dataclass(frozen=True)
+class RdmaConfig:
+    """Sizes and timeouts of the RDMA transport (per connection)."""
+
+    #: receive buffers for data SENDs (the peer's data credits)
+    window: int = 32
+    #: receive buffers for credit-only SENDs
+    control: int = 2
+    #: size of each receive (and send) buffer
+    buffer_size: int = 64 << 10
+    #: how long the path probe and the QP bring-up may take
+    setup_timeout: float = 5.0
+    #: QP ACK timeout exponent (4.096 us * 2**n) and retries: a dead peer is
+    #: reported after about (retry_cnt + 1) * timeout
+    qp_timeout: int = 14
+    retry_cnt: int = 7
+    rnr_retry: int = 6
+    #: how long closing waits for the CLOSE to be delivered and for flushes
+    close_timeout: float = 2.0
+
+
+class RdmaSetupError(Exception):
+    """A step of the RDMA setup failed; ``step`` names it, the message says why."""
+
+    def __init__(self, step: str, detail: str) -> None:
+        super().__init__(f"RDMA setup failed at {step}: {detail}")
+        self.step = step
+        self.detail = detail
+
+
+def local_ip_of(link: Link) -> str | None:
+    """The local IP address of a link's TCP socket."""
+    attrs = link.extra_attributes
+    getter = attrs.get(SocketAttribute.local_address)
+    if getter is None:
+        return None
+    address = getter()
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    return None
+
+
+def _socket_fd(link: Link) -> int | None:
+    getter = link.extra_attributes.get(SocketAttribute.raw_socket)
+    if getter is None:
+        return None
+    try:
+        return int(getter().fileno())
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+class RdmaBackend:
+    """Opens RDMA endpoints for connections.  Injectable (``rdma_backend=``):
+    tests subclass it to make a chosen step fail, and :meth:`probe` decides
+    whether RDMA is offered at all."""
+
+    def __init__(self, config: RdmaConfig | None = None) -> None:
+        self.config = config or RdmaConfig()
+
+    def probe(self) -> Probe:
+        return probe()
+
+    def before_step(self, step: str) -> None:
+        """Called before each setup step (``device``, ``open``, ``resources``,
+        ``init``, ``memory``, ``post``, ``params``, ``rtr``, ``rts``, ``probe``)."""
+
+    async def probe_delay(self) -> None:
+        """Called while the path probe is outstanding (tests make it hang)."""
+
+    def open(self, local_ip: str | None) -> RdmaEndpoint:
+        return RdmaEndpoint(self, local_ip)
+
+
+class RdmaEndpoint:
+    """The verbs resources of one connection, created in order and released in reverse."""
+
+    def __init__(self, backend: RdmaBackend, local_ip: str | None) -> None:
+        self.backend = backend
+        self.config = cfg = backend.config
+        self.ctx: verbs.Context | None = None
+        self.pd: verbs.ProtectionDomain | None = None
+        self.channel: verbs.CompletionChannel | None = None
+        self.cq: verbs.CompletionQueue | None = None
+        self.qp: verbs.QueuePair | None = None
+        self.recv_pool: MemoryPool | None = None
+        self.send_pool: MemoryPool | None = None
+        self.peer: RdmaParams | None = None
+        self.closed = False
+        self.credit_sends = 0  # credit-only SENDs outstanding (no slot)
+        self.probe_outstanding = False
+        self.epoll: select.epoll | None = None
+        try:
+            self._step("device")
+            if local_ip is None:
+                raise RdmaSetupError("device", "the TCP socket has no IP address")
+            entry = verbs.gid_for_ip(local_ip)
+            if entry is None:
+                raise RdmaSetupError("device", f"no RDMA device has the local address {local_ip}")
+            self.gid_entry = entry
+            self._step("open")
+            self.ctx = verbs.Context(entry.device)
+            self._step("resources")
+            self.pd = self.ctx.alloc_pd()
+            self.channel = self.ctx.create_comp_channel()
+            self.buffers = cfg.window + cfg.control
+            self.send_slots = cfg.window
+            depth = self.send_slots + cfg.control + 2
+            self.cq = self.ctx.create_cq(self.buffers + depth + 8, self.channel)
+            self.qp = verbs.QueuePair(self.pd, self.cq, max_send_wr=depth, max_recv_wr=self.buffers)
+            self._step("init")
+            self.qp.to_init(entry.port)
+            self._step("memory")
+            register = pd_registrar(self.pd)
+            self.recv_pool = MemoryPool(
+                register,
+                cfg.buffer_size,
+                slots_per_region=self.buffers,
+                max_bytes=self.buffers * cfg.buffer_size + (64 << 10),
+                initial_slots=self.buffers,
+            )
+            self._step("post")
+            self._post_receives(self.buffers)
+            port = self.ctx.query_port(entry.port)
+            self.mtu = min(4096, int(getattr(port, "active_mtu", 1024)) or 1024)
+            self.psn = random.randrange(1 << 24)
+            self.wc = verbs.WCArray(64)
+        except RdmaSetupError:
+            self.close_now()
+            raise
+        except (RDMAError, OSError, ValueError) as exc:
+            self.close_now()
+            raise RdmaSetupError(self._current, str(exc)) from exc
+        except BaseException:
+            self.close_now()
+            raise
+
+    _current = "device"
+
+    def _step(self, name: str) -> None:
+        self._current = name
+        self.backend.before_step(name)
+
+    @property
+    def device(self) -> str:
+        return self.gid_entry.device
+
+    @property
+    def params(self) -> RdmaParams:
+        assert self.qp is not None
+        return RdmaParams(
+            gid=self.gid_entry.gid.packed,
+            qp_num=self.qp.qp_num,
+            psn=self.psn,
+            mtu=_MTU_CODES.get(self.mtu, 3),
+            window=self.config.window,
+            control=self.config.control,
+            buffer_size=self.config.buffer_size,
+        )
+
+    def _post_receives(self, count: int) -> None:
+        assert self.qp is not None and self.recv_pool is not None
+        pool = self.recv_pool
+        slots = [pool.acquire() for _ in range(count)]
+        for slot in slots:
+            pool.mark_posted(slot)
+        try:
+            self.qp.post_recv_batch([s.addr for s in slots], [s.size for s in slots], slots[0].lkey,
+                                    [s.wr_id for s in slots])  # fmt: skip
+        except verbs.PostError as exc:
+            for slot in slots[exc.posted :]:
+                pool.unpost(slot)
+                pool.free(slot)
+            raise
+
+    def repost(self, slots: Sequence[Slot]) -> None:
+        """Post completed receive slots again (their bytes were consumed)."""
+        assert self.qp is not None and self.recv_pool is not None
+        pool = self.recv_pool
+        for slot in slots:
+            pool.free(slot)
+        self._post_receives(len(slots))
+
+    def connect(self, peer_raw: bytes | None) -> None:
+        """RTR and RTS towards the peer's QP (steps ``params``, ``rtr``, ``rts``)."""
+        assert self.qp is not None and self.pd is not None
+        try:
+            self._step("params")
+            if peer_raw is None:
+                raise RdmaSetupError("params", "the peer sent no RDMA parameters")
+            peer = RdmaParams.decode(peer_raw)
+            self.peer = peer
+            self._step("rtr")
+            mtu = min(self.mtu, MTU_BYTES[peer.mtu])
+            self.qp.to_rtr(peer.qp_num, peer.gid, sgid_index=self.gid_entry.index, rq_psn=peer.psn, path_mtu=mtu,
+                           port_num=self.gid_entry.port)  # fmt: skip
+            self._step("rts")
+            cfg = self.config
+            self.qp.to_rts(self.psn, timeout=cfg.qp_timeout, retry_cnt=cfg.retry_cnt, rnr_retry=cfg.rnr_retry)
+            # sends may not exceed the peer's buffers; our slots are that size at most
+            self.send_pool = MemoryPool(
+                pd_registrar(self.pd),
+                min(peer.buffer_size, cfg.buffer_size),
+                slots_per_region=self.send_slots,
+                max_bytes=self.send_slots * cfg.buffer_size + (64 << 10),
+                initial_slots=self.send_slots,
+            )
+        except RdmaSetupError:
+            raise
+        except RemoteProtocolError as exc:
+            raise RdmaSetupError("params", str(exc)) from exc
+        except (RDMAError, OSError, ValueError) as exc:
+            raise RdmaSetupError(self._current, str(exc)) from exc
+
+    async def probe_path(self) -> None:
+        """Prove the path to the peer: a zero-length RDMA WRITE must be ACKed."""
+        assert self.qp is not None and self.cq is not None and self.channel is not None
+        self._step("probe")
+        try:
+            self.probe_outstanding = True
+            self.qp.post_send(verbs.SendWR(verbs.Opcode.RDMA_WRITE, wr_id=SEND_TAG | PROBE_TAG, length=0))
+            with anyio.fail_after(self.config.setup_timeout):
+                await self.backend.probe_delay()
+                while self.probe_outstanding:
+                    self.channel.drain_events()
+                    self.cq.req_notify()
+                    n = self.cq.poll_into(self.wc)
+                    for i in range(n):
+                        if self.wc.wr_id(i) != SEND_TAG | PROBE_TAG:  # pragma: no cover - nothing else is posted
+                            raise RdmaSetupError("probe", f"unexpected completion {self.wc[i]}")
+                        self.probe_outstanding = False
+                        status = self.wc.status(i)
+                        if status != verbs.WCStatus.SUCCESS:
+                            raise RdmaSetupError("probe", f"the path to the peer failed ({verbs.wc_status_name(status)})")
+                    if self.probe_outstanding and n == 0:
+                        await anyio.wait_readable(self.channel.fileno())
+        except TimeoutError:
+            raise RdmaSetupError("probe", f"no answer from the peer's QP within {self.config.setup_timeout} s") from None
+        except (RDMAError, OSError) as exc:
+            raise RdmaSetupError("probe", str(exc)) from exc
+
+    def outstanding(self) -> int:
+        """Work requests the device still owns."""
+        n = self.credit_sends + (1 if self.probe_outstanding else 0)
+        for pool in (self.recv_pool, self.send_pool):
+            if pool is not None and not pool.closed:
+                n += pool.stats().posted
+        return n
+
+    def complete_flushed(self, count: int) -> None:
+        """Account for polled completions during teardown (any status)."""
+        for i in range(count):
+            self.account(self.wc.wr_id(i), self.wc.byte_len(i), self.wc.status(i))
+
+    def account(self, wr_id: int, byte_len: int, status: int) -> Slot | None:
+        """POSTED -> COMPLETED for the slot of a completion; None for slot-less requests."""
+        if wr_id & SEND_TAG:
+            if wr_id & CREDIT_TAG:
+                self.credit_sends -= 1
+                return None
+            if wr_id & PROBE_TAG:
+                self.probe_outstanding = False
+                return None
+            assert self.send_pool is not None
+            slot = self.send_pool.complete(wr_id & ~_TAGS, byte_len, status)
+            self.send_pool.free(slot)
+            return None
+        assert self.recv_pool is not None
+        return self.recv_pool.complete(wr_id, byte_len, status)
+
+    async def aclose(self) -> None:
+        """Teardown in order (see the module docs); bounded, safe under cancellation."""
+        if self.closed:
+            return
+        with anyio.CancelScope(shield=True):
+            if self.qp is not None and self.cq is not None and self.channel is not None:
+                try:
+                    self.qp.to_error()
+                    with anyio.move_on_after(self.config.close_timeout):
+                        while self.outstanding():
+                            self.channel.drain_events()
+                            self.cq.req_notify()
+                            n = self.cq.poll_into(self.wc)
+                            if n:
+                                self._free_flushed(n)
+                            else:
+                                await anyio.wait_readable(self.channel.fileno())
+                except RDMAError as exc:
+                    log.warning("aiordma: RDMA teardown: %s", exc)
+            self.close_now()
+
+    def _free_flushed(self, n: int) -> None:
+        for i in range(n):
+            slot = self.account(self.wc.wr_id(i), self.wc.byte_len(i), self.wc.status(i))
+            if slot is not None:
+                slot.pool.free(slot)
+
+    def close_now(self) -> None:
+        """Destroy everything now (QP first, so the device can no longer touch the buffers)."""
+        if self.closed:
+            return
+        self.closed = True
+        errors: list[BaseException] = []
+
+        def attempt(action: Callable[[], Any]) -> None:
+            try:
+                action()
+            except (RDMAError, OSError, ValueError) as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        if self.qp is not None:
+            attempt(self.qp.close)
+        if self.channel is not None and not self.channel.closed:
+            attempt(lambda: self.channel.drain_events() if self.channel else 0)  # ack what is left
+        if self.cq is not None:
+            attempt(self.cq.close)
+        if self.channel is not None:
+            attempt(self.channel.close)
+        for pool in (self.send_pool, self.recv_pool):
+            if pool is not None and not pool.closed:
+                pool.reclaim_posted()  # the QP is gone: the device cannot write them any more
+                attempt(pool.close)
+        if self.pd is not None:
+            attempt(self.pd.close)
+        if self.ctx is not None:
+            attempt(self.ctx.close)
+        if self.epoll is not None:
+            self.epoll.close()
+        for exc in errors:
+            log.warning("aiordma: RDMA teardown: %s", exc)
+
+
+class RdmaLink(Link):
+    """Carries a Core's frames over an :class:`RdmaEndpoint` (see module docs).
+
+    ``control`` is the TCP link the handshake ran on; it stays open, silent,
+    as the liveness channel, and is closed last.
+    """
+
+    def __init__(self, ep: RdmaEndpoint, control: Link, core: Core) -> None:
+        assert ep.peer is not None and ep.qp is not None and ep.channel is not None and ep.ctx is not None
+        self.ep = ep
+        self.control = control
+        self.credits = Credits(
+            ep.peer.window,
+            ep.peer.control,
+            local_window=ep.config.window,
+            local_control=ep.config.control,
+        )
+        self.pending: deque[Slot] = deque()  # received, not yet taken into the Core
+        self.closed = False
+        self.failed = False
+        self.tcp_ended = False
+        self._progress_lock = anyio.Lock()
+        self._send_lock = anyio.Lock()
+        self._generation = 0
+        self._tcp_fd = _socket_fd(control)
+        ep.epoll = select.epoll()
+        ep.epoll.register(ep.channel.fileno(), select.EPOLLIN)
+        ep.epoll.register(ep.ctx.fileno(), select.EPOLLIN)
+        if self._tcp_fd is not None:
+            ep.epoll.register(self._tcp_fd, select.EPOLLIN | select.EPOLLRDHUP)
+        self._epfd = ep.epoll.fileno()
+        transport = getattr(control, "transport", None)
+        if transport is not None and hasattr(transport, "pause_reading"):
+            transport.pause_reading()  # asyncio: the transport must not read the socket we now watch
+        # take over from the TCP link
+        core.link = self
+        self.attach(core)
+        core.transport = "rdma"
+        core.fallback_reason = ""
+
+    # -- progress ------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = True
+        self.core.on_error(exc)
+
+    def _progress(self) -> int:
+        """Ack events, re-arm, poll until empty, handle everything; returns completions seen."""
+        ep = self.ep
+        assert ep.channel is not None and ep.cq is not None and ep.epoll is not None
+        total = 0
+        try:
+            ep.channel.drain_events()
+            ep.cq.req_notify()
+            while n := ep.cq.poll_into(ep.wc):
+                total += n
+                self._handle(n)
+            for fd, _ in ep.epoll.poll(0):
+                if fd == self._tcp_fd:
+                    self._read_control()
+                elif ep.ctx is not None and fd == ep.ctx.fileno():
+                    self._read_async_events()
+            self._deliver()
+            self._maybe_send_credit()
+        except (RDMAError, CreditError) as exc:
+            self._fail(exc if isinstance(exc, RDMAError) else RemoteProtocolError(str(exc)))
+        if self.tcp_ended and not self.pending and self.core.peer_close is None and self.core.error is None:
+            self.core.feed_eof()  # the peer went away without a CLOSE: an error, said by the protocol
+        return total
+
+    def _handle(self, n: int) -> None:
+        ep, wc, credits = self.ep, self.ep.wc, self.credits
+        for i in range(n):
+            wr_id = wc.wr_id(i)
+            status = wc.status(i)
+            slot = ep.account(wr_id, wc.byte_len(i), status)
+            if status != verbs.WCStatus.SUCCESS:
+                if slot is not None:
+                    slot.pool.free(slot)
+                if not (status == _FLUSH and (self.closed or self.failed)):
+                    self._fail(wc[i].error("RDMA " + ("send" if wr_id & SEND_TAG else "receive")))
+                continue
+            if slot is None:
+                continue
+            imm = wc.imm_data(i)
+            if imm is None:
+                slot.pool.free(slot)
+                self._fail(RemoteProtocolError("an RDMA SEND arrived without immediate data"))
+                continue
+            kind, returned, control = unpack_imm(imm)
+            credits.on_receive(kind, returned, control)
+            if kind is SendKind.CREDIT:
+                ep.repost([slot])
+                credits.on_repost(SendKind.CREDIT)
+            else:
+                self.pending.append(slot)
+
+    def _deliver(self) -> None:
+        """Take pending receive buffers into the Core while it has room; re-post them."""
+        core, pending = self.core, self.pending
+        if not pending:
+            return
+        done: list[Slot] = []
+        try:
+            while pending and core.buffered < RECEIVE_HIGH_WATER and core.error is None:
+                slot = pending.popleft()
+                view = slot.lend(slot.byte_len)
+                try:
+                    core.feed(view.data)
+                finally:
+                    view.release()  # -> FREE
+                done.append(slot)
+        finally:
+            if done and not (self.closed or self.failed):
+                self.ep._post_receives(len(done))
+                for _ in done:
+                    self.credits.on_repost(SendKind.DATA)
+
+    def _maybe_send_credit(self) -> None:
+        if self.closed or self.failed or not self.credits.should_send_credit():
+            return
+        assert self.ep.qp is not None
+        imm = pack_imm(SendKind.CREDIT, *self.credits.on_send_credit())
+        self.ep.credit_sends += 1
+        try:
+            self.ep.qp.post_send(verbs.SendWR(verbs.Opcode.SEND_WITH_IMM, wr_id=SEND_TAG | CREDIT_TAG, imm_data=imm))
+        except RDMAError:
+            self.ep.credit_sends -= 1
+            raise
+
+    def _read_control(self) -> None:
+        """The TCP socket is readable: after the switch that means the peer is leaving."""
+        assert self._tcp_fd is not None and self.ep.epoll is not None
+        try:
+            data = os.read(self._tcp_fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            log.debug("aiordma: %d unexpected bytes on the TCP control connection", len(data))
+        self.ep.epoll.unregister(self._tcp_fd)
+        self.tcp_ended = True
+
+    def _read_async_events(self) -> None:
+        assert self.ep.ctx is not None
+        while (event := self.ep.ctx.get_async_event()) is not None:
+            if event.qp is self.ep.qp or event.cq is self.ep.cq or event.element_kind == "device":
+                self._fail(RDMAError(errno.EIO, "async event", f"{event.name}: {event.description}"))
+
+    def _finished(self) -> bool:
+        return self.closed or self.failed or self.core.error is not None or self.tcp_ended
+
+    async def _wait_progress(self) -> None:
+        """Make progress, sleeping on the epoll fd while nothing happens."""
+        seen = self._generation
+        async with self._progress_lock:
+            if self._generation != seen:
+                return
+            try:
+                while not self._progress() and not self._finished():
+                    if self.pending and self.core.buffered >= RECEIVE_HIGH_WATER:
+                        break  # only a reader can make room
+                    await anyio.wait_readable(self._epfd)
+            finally:
+                self._generation += 1
+
+    # -- Link ------------------------------------------------------------------------
+
+    async def wait_incoming(self) -> None:
+        if self.closed:
+            return
+        if self.pending:
+            self._deliver()
+            if self.core.buffered or self.core.messages or self.core.error or self.core.peer_eof:
+                return
+        await self._wait_progress()
+
+    def consumed(self) -> None:
+        if self.pending and not self.closed:
+            try:
+                self._deliver()
+                self._maybe_send_credit()
+            except (RDMAError, CreditError) as exc:
+                self._fail(exc)
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        if self.closed:
+            raise ClosedResourceError
+        async with self._send_lock:
+            await self._send_frames(chunks)
+
+    async def _send_frames(self, chunks: Sequence[Chunk]) -> None:
+        ep = self.ep
+        assert ep.qp is not None
+        slot: Slot | None = None
+        filled = 0
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            pos = 0
+            while pos < len(view):
+                if slot is None:
+                    slot = await self._acquire_send_slot()
+                    filled = 0
+                take = min(len(view) - pos, slot.size - filled)
+                slot.fill(view[pos : pos + take], filled)
+                filled += take
+                pos += take
+                if filled == slot.size:
+                    self._post_send(slot, filled)
+                    slot = None
+        if slot is not None:
+            self._post_send(slot, filled)
+
+    async def _acquire_send_slot(self) -> Slot:
+        pool = self.ep.send_pool
+        assert pool is not None
+        while True:
+            self._check_usable()
+            if self.credits.can_send_data():
+                slot = pool.try_acquire()
+                if slot is not None:
+                    return slot
+            await self._wait_progress()
+
+    def _check_usable(self) -> None:
+        if self.core.error is not None:
+            raise self.core.broken()
+        if self.failed or self.tcp_ended:
+            raise BrokenResourceError("the RDMA connection failed")
+
+    def _post_send(self, slot: Slot, length: int) -> None:
+        assert self.ep.qp is not None
+        imm = pack_imm(SendKind.DATA, *self.credits.on_send_data())
+        slot.mark_posted()
+        try:
+            self.ep.qp.post_send(
+                verbs.SendWR(verbs.Opcode.SEND_WITH_IMM, wr_id=SEND_TAG | slot.wr_id, addr=slot.addr, length=length,
+                             lkey=slot.lkey, imm_data=imm)  # fmt: skip
+            )
+        except RDMAError as exc:
+            slot.unpost()
+            slot.free()
+            self._fail(exc)
+            raise self.core.broken() from exc
+
+    async def _flush_sends(self) -> None:
+        """Wait until every data SEND we posted has completed (the peer has it)."""
+        pool = self.ep.send_pool
+        while pool is not None and pool.stats().posted and not self._finished():
+            await self._wait_progress()
+
+    async def aclose(self, final: bytes) -> None:
+        if self.closed:
+            return
+        with anyio.CancelScope(shield=True):
+            if final and not self.failed and self.core.error is None and not self.tcp_ended:
+                with anyio.move_on_after(self.ep.config.close_timeout):
+                    try:
+                        async with self._send_lock:
+                            await self._send_frames([final])
+                        await self._flush_sends()
+                    except (BrokenResourceError, ClosedResourceError, RDMAError) as exc:
+                        log.debug("aiordma: could not send CLOSE over RDMA: %r", exc)
+            self.closed = True
+            for slot in self.pending:
+                slot.pool.free(slot)
+            self.pending.clear()
+            await self.ep.aclose()
+            await self.control.aclose(b"")
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        attrs = dict(self.control.extra_attributes)
+        qp = self.ep.qp
+        qp_num = qp.qp_num if qp is not None else 0
+        device = self.ep.device
+        attrs[TransportAttribute.device] = lambda: device
+        attrs[TransportAttribute.qp_num] = lambda: qp_num
+        return attrs
+
+
+def gid_text(gid: bytes) -> str:
+    return str(ipaddress.IPv6Address(gid))
