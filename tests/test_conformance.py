@@ -30,6 +30,7 @@ pytestmark = pytest.mark.anyio
 KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("tcp", id="tcp"),
+    pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
 ]
 
 SMALL_LIMIT = 64 * 1024

@@ -6,6 +6,6 @@
 * :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
 """
 
-from ._pairs import MemoryByteStream, channel_pair, memory_byte_stream_pair, stream_pair
+from ._pairs import MemoryByteStream, channel_pair, memory_byte_stream_pair, rdma_address, stream_pair
 
-__all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair"]
+__all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair", "rdma_address"]

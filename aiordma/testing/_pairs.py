@@ -22,7 +22,7 @@ from .._links import StreamLink
 from .._negotiate import client_handshake, server_handshake
 from .._protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 
-__all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair"]
+__all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair", "rdma_address"]
 
 PairKind = Literal["memory", "tcp", "rdma"]
 E = TypeVar("E", Stream, Channel)
@@ -78,16 +78,40 @@ async def _memory_cores(mode: Mode, max_message_size: int) -> tuple[Core, Core]:
     return client, server
 
 
+def rdma_address() -> str | None:
+    """A local IPv4 address that an RDMA device serves (RoCEv2 GID), or None."""
+    from .._verbs import list_devices
+
+    for device in list_devices(query_verbs=False):
+        for port in device.ports:
+            if port.state != "ACTIVE":
+                continue
+            for entry in port.gids:
+                if entry.gid_type == "RoCEv2" and entry.gid.ipv4_mapped is not None:
+                    return str(entry.gid.ipv4_mapped)
+    return None
+
+
+def _host_for(kind: str) -> str:
+    if kind != "rdma":
+        return "127.0.0.1"
+    address = rdma_address()
+    if address is None:
+        raise RuntimeError("no RDMA device with an IPv4 RoCEv2 address on this host")
+    return address
+
+
 @asynccontextmanager
 async def _tcp_pair(
     mode: Mode, transport: str, max_message_size: int, wrap: Callable[[Core], E]
 ) -> AsyncIterator[tuple[E, E]]:
     send, receive = anyio.create_memory_object_stream[Any](1)
+    host = _host_for(transport)
     listener: Any
     if mode is Mode.STREAM:
-        listener = await create_listener("127.0.0.1", 0, transport=transport)
+        listener = await create_listener(host, 0, transport=transport)
     else:
-        listener = await create_channel_listener("127.0.0.1", 0, transport=transport, max_message_size=max_message_size)
+        listener = await create_channel_listener(host, 0, transport=transport, max_message_size=max_message_size)
     async with listener, send, receive:
 
         async def handler(endpoint: Any) -> None:
@@ -96,11 +120,9 @@ async def _tcp_pair(
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, handler)
             if mode is Mode.STREAM:
-                client: Any = await connect("127.0.0.1", listener.port, transport=transport)
+                client: Any = await connect(host, listener.port, transport=transport)
             else:
-                client = await connect_channel(
-                    "127.0.0.1", listener.port, transport=transport, max_message_size=max_message_size
-                )
+                client = await connect_channel(host, listener.port, transport=transport, max_message_size=max_message_size)
             server = await receive.receive()
             tg.cancel_scope.cancel()
     try:
