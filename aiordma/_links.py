@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import anyio
@@ -62,6 +62,12 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     """The protocol side of an asyncio TCP connection (see module docs).
 
     ``on_made`` (servers) is called with the link once the transport exists.
+
+    This is the hot path of every asyncio connection, kept short on purpose:
+    DATA payloads land in the Core's ``rbuf`` inside the protocol's
+    ``buffer_updated`` (the data sink), ``incoming()`` hands out the waiter's
+    future itself, and the asyncio front end writes to ``_writer`` and reads
+    ``_paused_reading`` / ``_paused_writing`` directly (package-internal).
     """
 
     def __init__(
@@ -74,12 +80,19 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._on_made = on_made
         self.transport: asyncio.BaseTransport | None = None
         self._writer: asyncio.Transport | None = None
+        # tasks in wait_incoming(): the first in _waiter (the common case, one
+        # reader), any others in _waiters (never used while _waiter is None)
+        self._waiter: asyncio.Future[None] | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused_writing = False
         self._paused_reading = False
         self.lost = False
         self._closed_future: asyncio.Future[None] = loop.create_future()
+        self._create_future = loop.create_future
+        self._proto = proto
+        # the loop calls get_buffer for every read: go to the protocol directly
+        self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
 
     # -- asyncio protocol callbacks ------------------------------------------
@@ -91,13 +104,13 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         if self._on_made is not None:
             self._on_made(self)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.core.proto.get_buffer(sizehint)
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced per instance in __init__
+        return self._proto.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         core = self.core
         try:
-            events = core.proto.buffer_updated(nbytes)
+            events = self._proto.buffer_updated(nbytes)
         except (ProtocolError, HandshakeError) as exc:
             core.on_events(exc.pending_events)
             core.on_error(exc)
@@ -105,9 +118,16 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         else:
             if events:
                 core.on_events(events)
-                if core.buffered > RECEIVE_HIGH_WATER and not self._paused_reading:
-                    self._pause_reading()
-        self._wake()
+            # DATA went into core.rbuf without events: check the level every time
+            if not self._paused_reading and len(core.rbuf) + core.message_bytes > RECEIVE_HIGH_WATER:
+                self._pause_reading()
+        fut = self._waiter  # self._wake(), inlined
+        if fut is not None:
+            self._waiter = None
+            if not fut.done():
+                fut.set_result(None)
+            if self._waiters:
+                self._wake_more()
 
     def eof_received(self) -> bool:
         self.core.feed_eof()
@@ -139,9 +159,19 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     # -- internals -----------------------------------------------------------
 
     def _wake(self) -> None:
+        fut = self._waiter
+        if fut is not None:
+            self._waiter = None
+            if not fut.done():  # a waiter that was cancelled is done
+                fut.set_result(None)
+            if self._waiters:
+                self._wake_more()
+
+    def _wake_more(self) -> None:
         for fut in self._waiters:
             if not fut.done():
                 fut.set_result(None)
+        self._waiters.clear()
 
     def _pause_reading(self) -> None:
         if self._writer is not None and not self.lost:
@@ -167,14 +197,26 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     async def wait_incoming(self) -> None:
         if self.lost or self.core.closed:
             return
+        await self.incoming()
+
+    def incoming(self) -> Awaitable[None]:
+        if self.lost or self.core.closed:
+            return self.wait_incoming()  # returns at once
         if self._paused_reading:
             self._resume_reading()
-        fut = self._loop.create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        finally:
-            self._waiters.remove(fut)
+        fut = self._create_future()
+        first = self._waiter
+        if first is None or first.done():  # done: that wait was cancelled
+            self._waiter = fut
+        else:
+            waiters = self._waiters
+            if len(waiters) >= 8:
+                # futures of cancelled waits stay until the next wake; drop
+                # them, so that waits cancelled on an idle connection cannot
+                # pile up
+                waiters[:] = [w for w in waiters if not w.done()]
+            waiters.append(fut)
+        return fut
 
     def consumed(self) -> None:
         if self._paused_reading and self.core.buffered <= RECEIVE_HIGH_WATER // 4:
@@ -253,8 +295,10 @@ class StreamLink(Link):
 
     def __init__(self, stream: ByteStream, proto: Connection) -> None:
         self.stream = stream
-        self._send_lock = anyio.Lock()
-        self._receive_lock = anyio.Lock()
+        # fast_acquire: no extra trip through the scheduler when the lock is
+        # free; the stream operation inside is the checkpoint
+        self._send_lock = anyio.Lock(fast_acquire=True)
+        self._receive_lock = anyio.Lock(fast_acquire=True)
         self._feeds = 0
         self.ended = False
         self.closed = False

@@ -73,6 +73,10 @@ class SlotState(enum.Enum):
     COMPLETED = "completed"
     LENT = "lent"
 
+    # members are singletons: hash by identity, in C (Enum's own hash is a
+    # Python function, and the counters are updated on every transition)
+    __hash__ = object.__hash__
+
 
 class SlotStateError(AiordmaError, RuntimeError):
     """A slot was used in a way its current owner forbids (a bug in the caller)."""
@@ -365,6 +369,11 @@ class MemoryPool:
     def _ensure_open(self) -> None:
         if self._closed:
             raise SlotStateError("the memory pool is closed")
+
+    @property
+    def free_count(self) -> int:
+        """Slots FREE now (without growing the pool)."""
+        return len(self._free)
 
     @property
     def bytes_registered(self) -> int:

@@ -21,6 +21,15 @@ Ownership: the bytes returned by ``send_*`` are the caller's to write out, in
 order, before any bytes returned by a later call.  ``get_buffer`` lends a
 writable view into the receive buffer until the matching ``buffer_updated``;
 events never refer to that buffer (their payloads are copies).
+
+Speed: this object sits on every byte of a TCP connection, so the receive
+path has a fast path for the common case -- whole or continued DATA frames in
+an open stream, appended straight to ``data_sink`` (see :class:`Connection`)
+-- that skips the state tables only where their answer is known (state
+``OPEN``, receive half ``OPEN``, stream mode), and checks every header field
+as the general parser does; anything else goes to the general parser.  Hot
+enum members and ``HEADER`` methods are bound to module constants: a class
+attribute lookup costs several times a global one.
 """
 
 from __future__ import annotations
@@ -159,12 +168,14 @@ class TransportSelected:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+# Data and Message are not frozen: they are made for every payload, and a
+# frozen dataclass's __init__ (object.__setattr__) costs twice as much.
+@dataclass(slots=True)
 class Data:
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Message:
     data: bytes
 
@@ -184,6 +195,26 @@ Event: TypeAlias = Union[HelloReceived, TransportSelected, Data, Message, EndOfS
 Chunk: TypeAlias = Union[bytes, memoryview]
 
 _END_OF_STREAM: Final = EndOfStream()
+
+# hot-path constants (module globals are cheaper than enum class attributes)
+_S_OPEN: Final = State.OPEN
+_H_OPEN: Final = Half.OPEN
+_M_STREAM: Final = Mode.STREAM
+_T_DATA: Final = 0x10  # FrameType.DATA, as a plain int
+_T_MESSAGE: Final = 0x11  # FrameType.MESSAGE
+assert int(FrameType.DATA) == _T_DATA and int(FrameType.MESSAGE) == _T_MESSAGE
+_HEADER_SIZE: Final = 8
+assert _HEADER_SIZE == HEADER.size
+_pack_header: Final = HEADER.pack
+_unpack_header: Final = HEADER.unpack_from
+#: The header as two words: (type, flags, reserved) and the length.  The first
+#: word of a valid DATA header is exactly _DATA_WORD (flags and reserved zero),
+#: so the fast path checks three fields with one comparison.
+_unpack_words: Final = struct.Struct("!II").unpack_from
+_DATA_WORD: Final = _T_DATA << 24
+#: A DATA header as one 64-bit number: _DATA_HEADER | length (length < 2**32).
+_pack_u64: Final = struct.Struct("!Q").pack
+_DATA_HEADER: Final = _DATA_WORD << 32
 
 
 def _decode_reason(raw: bytes | memoryview, what: str) -> str:
@@ -305,6 +336,19 @@ class Connection:
     bytes of :meth:`close` if you can, and drop it).  Such an error carries in
     ``pending_events`` the events decoded from the same input before it:
     deliver those first, and nothing the peer sent correctly is lost.
+
+    Data sink: when ``data_sink`` is a ``bytearray`` (it is ``None`` by
+    default), the payloads of DATA frames are appended to it as they are
+    decoded instead of being returned as :class:`Data` events -- one copy and
+    one object fewer per frame.  Everything else (messages, EOF, CLOSE, the
+    handshake) still comes back as events, and the order between the two is
+    the wire order within one call: the bytes appended during a call precede
+    an :class:`EndOfStream` or :class:`ConnectionClosed` returned by it (a
+    peer cannot send DATA after those).  Bytes appended to the sink count as
+    delivered, also when the same call then raises: ``pending_events`` holds
+    only the events, the sink already holds every DATA byte decoded before the
+    error.  The sink is the owner's buffer (the Core's ``rbuf``); this object
+    only appends to it.  It may be set or cleared between calls.
     """
 
     def __init__(
@@ -343,11 +387,14 @@ class Connection:
         # place (a view lent by get_buffer may still be alive), only replaced
         self._buf = bytearray(RECV_BUFFER_SIZE)
         self._view = memoryview(self._buf)
+        self._size = RECV_BUFFER_SIZE  # len(self._buf), kept with it
         self._start = 0
         self._end = 0
         self._magic_left = len(MAGIC)
         self._magic_sent = False
         self._data_left = 0  # payload bytes left in the current DATA frame
+        #: where DATA payloads go instead of Data events (see the class docs)
+        self.data_sink: bytearray | None = None
 
     # -- state machinery ---------------------------------------------------
 
@@ -448,7 +495,7 @@ class Connection:
 
     def send_data(self, data: bytes | bytearray | memoryview) -> list[Chunk]:
         """Frame stream bytes; returns the chunks to write, in order."""
-        if self.state is not State.OPEN or self.send_half is not Half.OPEN or self.mode is not Mode.STREAM:
+        if self.state is not _S_OPEN or self.send_half is not _H_OPEN or self.mode is not _M_STREAM:
             self._check_alive()
             if self.mode is not Mode.STREAM:
                 raise LocalProtocolError("send_data on a message connection")
@@ -458,12 +505,12 @@ class Connection:
         n = len(data)
         limit = self._peer_max_frame
         if n <= COALESCE_LIMIT:
-            return [HEADER.pack(FrameType.DATA, 0, 0, n) + data] if n else []
+            return [_pack_u64(_DATA_HEADER | n) + data] if n else []
         view = memoryview(data).cast("B")
         out: list[Chunk] = []
         for pos in range(0, n, limit):
             piece = view[pos : pos + limit]
-            out.append(HEADER.pack(FrameType.DATA, 0, 0, len(piece)))
+            out.append(_pack_header(_T_DATA, 0, 0, len(piece)))
             out.append(piece)
         return out
 
@@ -471,7 +518,7 @@ class Connection:
         """Frame one message; raises :class:`LocalProtocolError` if it is larger than the peer accepts."""
         if self.mode is not Mode.MESSAGES:
             raise LocalProtocolError("send_message on a byte-stream connection")
-        if self.state is not State.OPEN or self.send_half is not Half.OPEN:
+        if self.state is not _S_OPEN or self.send_half is not _H_OPEN:
             self._check_alive()
             if self.state is not State.OPEN:
                 raise LocalProtocolError(f"cannot send a message in state {self.state.value}")
@@ -480,8 +527,8 @@ class Connection:
         if n > self._peer_max_message:
             raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {self._peer_max_message}")
         if n <= COALESCE_LIMIT:
-            return [HEADER.pack(FrameType.MESSAGE, 0, 0, n) + data]
-        return [HEADER.pack(FrameType.MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
+            return [_pack_header(_T_MESSAGE, 0, 0, n) + data]
+        return [_pack_header(_T_MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
 
     def send_eof(self) -> bytes:
         """Half-close: we send no more data; the peer may still send."""
@@ -511,24 +558,122 @@ class Connection:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """A writable view to receive into; pass the count to :meth:`buffer_updated`."""
+        if self._start == self._end and sizehint <= self._size:
+            # all parsed: the whole buffer (never below MIN_RECV_ROOM) is free
+            self._start = self._end = 0
+            return self._view
         self._reserve(max(sizehint, MIN_RECV_ROOM))
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> list[Event]:
-        if not 0 <= nbytes <= len(self._buf) - self._end:
+        end = self._end + nbytes
+        if nbytes < 0 or end > self._size:
             raise ValueError("nbytes is larger than the buffer lent by get_buffer")
-        self._end += nbytes
+        self._end = end
+        sink = self.data_sink
+        # the fast path (see _sink_frames, inlined here: this runs for every
+        # read of a TCP connection); state OPEN implies no error
+        if sink is not None and self.state is _S_OPEN and self.recv_half is _H_OPEN and self.mode is _M_STREAM:
+            view = self._view
+            pos = self._start
+            if self._data_left:
+                pos = self._sink_frames(sink, view, pos, end)
+            else:
+                limit = self.max_frame_size
+                while end - pos >= _HEADER_SIZE:
+                    word, length = _unpack_words(view, pos)
+                    if word != _DATA_WORD or length > limit:
+                        break
+                    first = pos + _HEADER_SIZE
+                    pos = first + length
+                    if pos >= end:  # the last frame here: whole, or cut by end
+                        if pos > end:
+                            self._data_left = pos - end
+                            pos = end
+                        sink += view[first:pos]
+                        break
+                    sink += view[first:pos]
+            if pos == end:
+                self._start = self._end = 0
+                if self._size > RECV_BUFFER_SIZE:
+                    self._shrink()
+                return []
+            self._start = pos
         return self._parse()
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
         """Feed bytes from the peer; returns the events they complete."""
+        if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
+            with data.cast("B") as flat:  # count bytes, not items; keep no view
+                return self.receive_data(flat)
         n = len(data)
         if not n:
             return []
+        sink = self.data_sink
+        pos = 0
+        if (
+            sink is not None
+            and self._start == self._end
+            and self.state is _S_OPEN
+            and self.recv_half is _H_OPEN
+            and self.mode is _M_STREAM
+        ):
+            # nothing buffered: decode DATA frames straight from the caller's
+            # bytes, and buffer only what is left (a non-DATA frame, a cut header)
+            view = memoryview(data)
+            try:
+                pos = self._sink_frames(sink, view, 0, n)
+                if pos == n:
+                    return []
+                self._reserve(n - pos)
+                self._buf[0 : n - pos] = view[pos:]
+            finally:
+                view.release()  # the caller may resize its bytearray again
+            self._start = 0
+            self._end = n - pos
+            return self._parse()
         self._reserve(n)
         self._buf[self._end : self._end + n] = data
         self._end += n
         return self._parse()
+
+    def _sink_frames(self, sink: bytearray, view: memoryview, pos: int, end: int) -> int:
+        """The fast path: append DATA payloads at ``view[pos:end]`` to ``sink``.
+
+        Only called with state ``OPEN``, receive half ``OPEN`` and stream mode
+        -- where the tables allow DATA; ``OPEN`` implies that the magic is
+        behind us and that there was no error (``_fail`` leaves ``CLOSED``,
+        for good).  Every header is checked as in :meth:`_parse`; at the
+        first frame that is not a valid DATA frame (or an incomplete header)
+        it stops and returns its position, and the general parser takes over
+        from there and raises if need be.  A DATA frame cut by ``end`` is
+        appended as far as it goes (``_data_left`` keeps the rest).
+        ``buffer_updated`` has a copy of the loop inlined: keep the two alike.
+        """
+        left = self._data_left
+        if left:
+            if end - pos <= left:
+                sink += view[pos:end]
+                self._data_left = left - (end - pos)
+                return end
+            sink += view[pos : pos + left]
+            pos += left
+            self._data_left = 0
+        limit = self.max_frame_size
+        while end - pos >= _HEADER_SIZE:
+            word, length = _unpack_words(view, pos)
+            if word != _DATA_WORD or length > limit:
+                break
+            first = pos + _HEADER_SIZE
+            pos = first + length
+            if pos >= end:  # the last frame here: whole, or cut by end
+                if pos > end:
+                    self._data_left = pos - end
+                    pos = end
+                sink += view[first:pos]
+                break
+            sink += view[first:pos]
+        return pos
 
     def receive_eof(self) -> list[Event]:
         """The byte transport from the peer ended (TCP FIN or connection loss)."""
@@ -552,31 +697,34 @@ class Connection:
     def _reserve(self, room: int) -> None:
         if self._start == self._end:
             self._start = self._end = 0
-        if len(self._buf) - self._end >= room:
+        if self._size - self._end >= room:
             return
         pending = self._end - self._start
-        if self._start and len(self._buf) - pending >= room:
+        if self._start and self._size - pending >= room:
             # compact in place: same size, so allowed with views outstanding
             self._buf[0:pending] = self._buf[self._start : self._end]
         else:
-            new = bytearray(max(len(self._buf), pending + room))
+            new = bytearray(max(self._size, pending + room))
             new[0:pending] = self._buf[self._start : self._end]
             self._buf = new
             self._view = memoryview(new)
+            self._size = len(new)
         self._start = 0
         self._end = pending
 
     def _shrink(self) -> None:
         # after a large message, go back to the normal size once all is parsed
-        if len(self._buf) > RECV_BUFFER_SIZE and self._start == self._end:
+        if self._size > RECV_BUFFER_SIZE and self._start == self._end:
             self._buf = bytearray(RECV_BUFFER_SIZE)
             self._view = memoryview(self._buf)
+            self._size = RECV_BUFFER_SIZE
             self._start = self._end = 0
 
     def _parse(self) -> list[Event]:
         self._check_alive()
         events: list[Event] = []
         view = self._view
+        sink = self.data_sink
         pos = self._start
         end = self._end
         try:
@@ -587,21 +735,24 @@ class Connection:
             while pos < end:
                 if self._data_left:
                     take = min(self._data_left, end - pos)
-                    events.append(Data(bytes(view[pos : pos + take])))
+                    if sink is not None:
+                        sink += view[pos : pos + take]
+                    else:
+                        events.append(Data(bytes(view[pos : pos + take])))
                     self._data_left -= take
                     pos += take
                     continue
-                if end - pos < HEADER.size:
+                if end - pos < _HEADER_SIZE:
                     break
-                ftype, flags, reserved, length = HEADER.unpack_from(view, pos)
-                if ftype == FrameType.DATA and self.recv_half is Half.OPEN and self.mode is Mode.STREAM:
+                ftype, flags, reserved, length = _unpack_header(view, pos)
+                if ftype == _T_DATA and self.recv_half is _H_OPEN and self.mode is _M_STREAM:
                     if flags or reserved:
                         self._bad_header(ftype, flags, reserved)
                     if length > self.max_frame_size:
                         raise RemoteProtocolError(f"DATA frame of {length} bytes exceeds the limit {self.max_frame_size}")
-                    if self.state is not State.OPEN:
+                    if self.state is not _S_OPEN:
                         self._half_step(Half.CLOSED, HalfInput.DATA, remote=True)
-                    pos += HEADER.size
+                    pos += _HEADER_SIZE
                     self._data_left = length
                     continue
                 if flags or reserved:
@@ -635,7 +786,8 @@ class Connection:
                 self._start = pos
                 if pos == self._end:
                     self._start = self._end = 0
-                self._shrink()
+                    if self._size > RECV_BUFFER_SIZE:
+                        self._shrink()
         return events
 
     def _parse_magic(self, pos: int, end: int) -> int:

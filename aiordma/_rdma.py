@@ -46,6 +46,7 @@ import logging
 import os
 import random
 import select
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ class RdmaConfig:
     rnr_retry: int = 6
     #: how long closing waits for the CLOSE to be delivered and for flushes
     close_timeout: float = 2.0
+    #: adaptive busy polling before sleeping: at most this long (ns), and only
+    #: while completions recently came that fast (0 disables it)
+    max_spin_ns: int = 50_000
+    #: request a send completion at least every this many SENDs (the others
+    #: are unsignaled; a completion frees every slot posted before it)
+    signal_every: int = 8
 
 
 class RdmaSetupError(Exception):
@@ -168,6 +175,8 @@ class RdmaEndpoint:
         self.closed = False
         self.credit_sends = 0  # credit-only SENDs outstanding (no slot)
         self.probe_outstanding = False
+        self.sent: deque[Slot] = deque()  # posted data SENDs, oldest first
+        self.signaled: set[int] = set()  # wr_ids of the signaled ones among them
         self.epoll: select.epoll | None = None
         try:
             self._step("device")
@@ -319,11 +328,15 @@ class RdmaEndpoint:
             raise RdmaSetupError("probe", str(exc)) from exc
 
     def outstanding(self) -> int:
-        """Work requests the device still owns."""
-        n = self.credit_sends + (1 if self.probe_outstanding else 0)
-        for pool in (self.recv_pool, self.send_pool):
-            if pool is not None and not pool.closed:
-                n += pool.stats().posted
+        """Work requests whose completion is still to come.
+
+        Unsignaled sends are not counted: no completion of their own is
+        promised.  Their slots stay the device's until a later signaled
+        completion (RC completes in order) or the QP is destroyed.
+        """
+        n = self.credit_sends + (1 if self.probe_outstanding else 0) + len(self.signaled)
+        if self.recv_pool is not None and not self.recv_pool.closed:
+            n += self.recv_pool.stats().posted
         return n
 
     def complete_flushed(self, count: int) -> None:
@@ -340,9 +353,16 @@ class RdmaEndpoint:
             if wr_id & PROBE_TAG:
                 self.probe_outstanding = False
                 return None
-            assert self.send_pool is not None
-            slot = self.send_pool.complete(wr_id & ~_TAGS, byte_len, status)
-            self.send_pool.free(slot)
+            pool = self.send_pool
+            assert pool is not None
+            target = pool.slot_for(wr_id & ~_TAGS)
+            self.signaled.discard(wr_id)
+            # in order: every SEND posted before this one is complete as well
+            while self.sent:
+                slot = self.sent.popleft()
+                pool.free(pool.complete(slot.wr_id, 0, status if slot is target else 0))
+                if slot is target:
+                    break
             return None
         assert self.recv_pool is not None
         return self.recv_pool.complete(wr_id, byte_len, status)
@@ -395,9 +415,11 @@ class RdmaEndpoint:
             attempt(self.cq.close)
         if self.channel is not None:
             attempt(self.channel.close)
+        self.sent.clear()
+        self.signaled.clear()
         for pool in (self.send_pool, self.recv_pool):
             if pool is not None and not pool.closed:
-                pool.reclaim_posted()  # the QP is gone: the device cannot write them any more
+                pool.reclaim_posted()  # the QP is gone: the device cannot touch them any more
                 attempt(pool.close)
         if self.pd is not None:
             attempt(self.pd.close)
@@ -430,9 +452,13 @@ class RdmaLink(Link):
         self.closed = False
         self.failed = False
         self.tcp_ended = False
-        self._progress_lock = anyio.Lock()
-        self._send_lock = anyio.Lock()
+        # fast_acquire: an uncontended lock costs no trip through the event loop
+        self._progress_lock = anyio.Lock(fast_acquire=True)
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._generation = 0
+        self._armed = False
+        self._spin_ns = 0
+        self._unsignaled = 0
         self._tcp_fd = _socket_fd(control)
         ep.epoll = select.epoll()
         ep.epoll.register(ep.channel.fileno(), select.EPOLLIN)
@@ -455,22 +481,32 @@ class RdmaLink(Link):
         self.failed = True
         self.core.on_error(exc)
 
-    def _progress(self) -> int:
-        """Ack events, re-arm, poll until empty, handle everything; returns completions seen."""
+    def _after_wake(self) -> None:
+        """The epoll fd was readable: ack CQ events (the CQ is then disarmed), read the other fds."""
         ep = self.ep
-        assert ep.channel is not None and ep.cq is not None and ep.epoll is not None
-        total = 0
+        assert ep.channel is not None and ep.epoll is not None
+        if ep.channel.drain_events():
+            self._armed = False
+        for fd, _ in ep.epoll.poll(0):
+            if fd == self._tcp_fd:
+                self._read_control()
+            elif ep.ctx is not None and fd == ep.ctx.fileno():
+                self._read_async_events()
+
+    def _progress(self, first: int = 0) -> int:
+        """Poll the CQ until empty and handle everything; returns the completions seen.
+
+        ``first`` completions are already in the array (from a spinning poll).
+        """
+        ep = self.ep
+        assert ep.cq is not None
+        total = first
         try:
-            ep.channel.drain_events()
-            ep.cq.req_notify()
+            if first:
+                self._handle(first)
             while n := ep.cq.poll_into(ep.wc):
                 total += n
                 self._handle(n)
-            for fd, _ in ep.epoll.poll(0):
-                if fd == self._tcp_fd:
-                    self._read_control()
-                elif ep.ctx is not None and fd == ep.ctx.fileno():
-                    self._read_async_events()
             self._deliver()
             self._maybe_send_credit()
         except (RDMAError, CreditError) as exc:
@@ -563,8 +599,17 @@ class RdmaLink(Link):
         return self.closed or self.failed or self.core.error is not None or self.tcp_ended
 
     async def _wait_progress(self) -> None:
-        """Make progress, sleeping on the epoll fd while nothing happens."""
+        """Make progress, sleeping on the epoll fd while nothing happens.
+
+        Arm-then-poll: the CQ is armed (``req_notify``) only when a poll found
+        it empty, and polled once more after arming, so a completion that
+        arrives in between raises an event instead of being missed; events
+        are acknowledged after each wake.  Before sleeping it may busy-poll
+        (GIL released) for as long as completions recently took to come.
+        """
         seen = self._generation
+        ep = self.ep
+        assert ep.cq is not None
         async with self._progress_lock:
             if self._generation != seen:
                 return
@@ -572,9 +617,27 @@ class RdmaLink(Link):
                 while not self._progress() and not self._finished():
                     if self.pending and self.core.buffered >= RECEIVE_HIGH_WATER:
                         break  # only a reader can make room
+                    if not self._armed:
+                        ep.cq.req_notify()
+                        self._armed = True
+                        continue  # poll again: what came before the arm raises no event
+                    if self._spin_ns:
+                        got = ep.cq.poll_spin_into(ep.wc, self._spin_ns)
+                        if got:
+                            self._progress(got)
+                            break
+                    started = time.perf_counter()
                     await anyio.wait_readable(self._epfd)
+                    self._adapt_spin(time.perf_counter() - started)
+                    self._after_wake()
             finally:
                 self._generation += 1
+
+    def _adapt_spin(self, waited: float) -> None:
+        """Spin next time only if this wait was short enough to have been caught spinning."""
+        waited_ns = int(waited * 1e9)
+        limit = self.ep.config.max_spin_ns
+        self._spin_ns = min(limit, 2 * waited_ns) if waited_ns < limit else 0
 
     # -- Link ------------------------------------------------------------------------
 
@@ -601,7 +664,7 @@ class RdmaLink(Link):
         async with self._send_lock:
             await self._send_frames(chunks)
 
-    async def _send_frames(self, chunks: Sequence[Chunk]) -> None:
+    async def _send_frames(self, chunks: Sequence[Chunk], *, signal_last: bool = False) -> None:
         ep = self.ep
         assert ep.qp is not None
         slot: Slot | None = None
@@ -621,7 +684,7 @@ class RdmaLink(Link):
                     self._post_send(slot, filled)
                     slot = None
         if slot is not None:
-            self._post_send(slot, filled)
+            self._post_send(slot, filled, signal=signal_last)
 
     async def _acquire_send_slot(self) -> Slot:
         pool = self.ep.send_pool
@@ -640,25 +703,41 @@ class RdmaLink(Link):
         if self.failed or self.tcp_ended:
             raise BrokenResourceError("the RDMA connection failed")
 
-    def _post_send(self, slot: Slot, length: int) -> None:
-        assert self.ep.qp is not None
+    def _post_send(self, slot: Slot, length: int, *, signal: bool = False) -> None:
+        """Post one data SEND.  Only every ``signal_every``-th one (or one that
+        leaves few slots free) asks for a completion; RC completes in order, so
+        that completion frees every slot posted before it too."""
+        ep = self.ep
+        assert ep.qp is not None and ep.send_pool is not None
         imm = pack_imm(SendKind.DATA, *self.credits.on_send_data())
+        self._unsignaled += 1
+        signaled = (
+            signal
+            or self._unsignaled >= ep.config.signal_every
+            or ep.send_pool.free_count <= ep.send_slots // 2
+        )
         slot.mark_posted()
         try:
-            self.ep.qp.post_send(
+            ep.qp.post_send(
                 verbs.SendWR(verbs.Opcode.SEND_WITH_IMM, wr_id=SEND_TAG | slot.wr_id, addr=slot.addr, length=length,
-                             lkey=slot.lkey, imm_data=imm)  # fmt: skip
+                             lkey=slot.lkey, imm_data=imm, signaled=signaled)  # fmt: skip
             )
         except RDMAError as exc:
             slot.unpost()
             slot.free()
             self._fail(exc)
             raise self.core.broken() from exc
+        ep.sent.append(slot)
+        if signaled:
+            self._unsignaled = 0
+            ep.signaled.add(SEND_TAG | slot.wr_id)
 
     async def _flush_sends(self) -> None:
-        """Wait until every data SEND we posted has completed (the peer has it)."""
-        pool = self.ep.send_pool
-        while pool is not None and pool.stats().posted and not self._finished():
+        """Wait until every data SEND we posted has completed (the peer has it).
+
+        The last SEND posted is signaled by the caller, so its completion
+        comes, and frees all the others."""
+        while self.ep.sent and not self._finished():
             await self._wait_progress()
 
     async def aclose(self, final: bytes) -> None:
@@ -669,7 +748,7 @@ class RdmaLink(Link):
                 with anyio.move_on_after(self.ep.config.close_timeout):
                     try:
                         async with self._send_lock:
-                            await self._send_frames([final])
+                            await self._send_frames([final], signal_last=True)
                         await self._flush_sends()
                     except (BrokenResourceError, ClosedResourceError, RDMAError) as exc:
                         log.debug("aiordma: could not send CLOSE over RDMA: %r", exc)

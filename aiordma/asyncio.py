@@ -36,6 +36,7 @@ __all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_s
 log = logging.getLogger("aiordma")
 
 _DEFAULT_LIMIT = 2**16
+_EOF = Half.EOF
 
 
 def _reset(core: Core) -> ConnectionResetError:
@@ -54,7 +55,12 @@ class StreamReader:
         if limit <= 0:
             raise ValueError("Limit cannot be <= 0")
         self._core = core
-        self._link = core.link
+        link = core.link
+        self._link = link
+        # the hot path: await the link's future directly, and skip consumed()
+        # on a TCP link that is not paused (it would do nothing)
+        self._incoming = link.incoming
+        self._tcp: AsyncioLink | None = link if isinstance(link, AsyncioLink) else None
         self._limit = limit
 
     def exception(self) -> BaseException | None:
@@ -64,14 +70,21 @@ class StreamReader:
         core = self._core
         return not core.rbuf and (core.peer_eof or core.closed or core.error is not None)
 
-    async def _wait(self) -> bool:
-        """Wait for more bytes; False when none will come, ConnectionResetError on failure."""
+    def _more(self) -> bool:
+        """Whether more bytes may come (then wait on ``_incoming()``); raises
+        ConnectionResetError on failure."""
         core = self._core
         if core.peer_eof or core.closed:
             return False
         if core.error is not None:
             raise _reset(core)
-        await self._link.wait_incoming()
+        return True
+
+    async def _wait(self) -> bool:
+        """Wait for more bytes; False when none will come, ConnectionResetError on failure."""
+        if not self._more():
+            return False
+        await self._incoming()
         return True
 
     def _take(self, n: int) -> bytes:
@@ -80,33 +93,66 @@ class StreamReader:
             data = bytes(rbuf)
             rbuf.clear()
         else:
-            data = bytes(rbuf[:n])
+            with memoryview(rbuf) as view:
+                data = bytes(view[:n])  # one copy, not two
             del rbuf[:n]
-        self._link.consumed()
+        tcp = self._tcp
+        if tcp is None or tcp._paused_reading:
+            self._link.consumed()
         return data
+
+    # read() and readexactly() are the hot path: they inline _wait() and
+    # _take() (no coroutine frame but their own, no call per read)
 
     async def read(self, n: int = -1) -> bytes:
         if n == 0:
             return b""
-        rbuf = self._core.rbuf
+        core = self._core
+        rbuf = core.rbuf
         if n < 0:
             while await self._wait():
                 pass
             return self._take(len(rbuf))
         while not rbuf:
-            if not await self._wait():
+            if core.peer_eof or core.closed:
                 return b""
-        return self._take(n)
+            if core.error is not None:
+                raise _reset(core)
+            await self._incoming()
+        if n >= len(rbuf):
+            data = bytes(rbuf)
+            rbuf.clear()
+        else:
+            with memoryview(rbuf) as view:
+                data = bytes(view[:n])
+            del rbuf[:n]
+        tcp = self._tcp
+        if tcp is None or tcp._paused_reading:
+            self._link.consumed()
+        return data
 
     async def readexactly(self, n: int) -> bytes:
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
-        rbuf = self._core.rbuf
-        while len(rbuf) < n:
-            if not await self._wait():
-                partial = self._take(len(rbuf))
-                raise asyncio.IncompleteReadError(partial, n)
-        return self._take(n)
+        core = self._core
+        rbuf = core.rbuf
+        while (have := len(rbuf)) < n:
+            if core.peer_eof or core.closed:
+                raise asyncio.IncompleteReadError(self._take(have), n)
+            if core.error is not None:
+                raise _reset(core)
+            await self._incoming()
+        if have == n:
+            data = bytes(rbuf)
+            rbuf.clear()
+        else:
+            with memoryview(rbuf) as view:
+                data = bytes(view[:n])
+            del rbuf[:n]
+        tcp = self._tcp
+        if tcp is None or tcp._paused_reading:
+            self._link.consumed()
+        return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:
         seplen = len(separator)
@@ -167,11 +213,21 @@ class StreamWriter:
         if not data:
             return
         core = self._core
-        if self._proto.send_half is Half.EOF:
+        link = self._link
+        proto = self._proto
+        if proto.send_half is _EOF:
             raise RuntimeError("Cannot call write() after write_eof()")
-        if core.closed or core.error is not None or self._link.lost or core.peer_close is not None:
+        if core.closed or core.error is not None or link.lost or core.peer_close is not None:
             return  # as with asyncio: drain() reports the lost connection
-        self._link.write_nowait(self._proto.send_data(data))
+        chunks = proto.send_data(data)
+        writer = link._writer
+        if writer is None:  # pragma: no cover - a pair is made once connected
+            link.write_nowait(chunks)
+        elif len(chunks) == 1:
+            writer.write(chunks[0])
+        else:
+            for chunk in chunks:
+                writer.write(chunk)
 
     def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
         for chunk in data:
@@ -181,10 +237,13 @@ class StreamWriter:
         core = self._core
         if core.error is not None:
             raise _reset(core)
-        if self._link.lost or core.peer_close is not None:
+        link = self._link
+        if link.lost or core.peer_close is not None:
             raise ConnectionResetError("Connection lost")
-        await self._link.drain()
-        if self._link.lost:
+        if not link._paused_writing:
+            return  # the common case: no coroutine to await
+        await link.drain()
+        if link.lost:
             if core.error is not None:
                 raise _reset(core)
             raise ConnectionResetError("Connection lost")
