@@ -40,6 +40,7 @@ channel: its end (or any byte on it) means the peer is gone.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -454,11 +455,15 @@ class RdmaLink(Link):
         self.tcp_ended = False
         # fast_acquire: an uncontended lock costs no trip through the event loop
         self._progress_lock = anyio.Lock(fast_acquire=True)
-        self._send_lock = anyio.Lock(fast_acquire=True)
         self._generation = 0
         self._armed = False
         self._spin_ns = 0
         self._unsignaled = 0
+        self._backlog: deque[memoryview] = deque()
+        self._enqueued = 0  # bytes ever put in the backlog
+        self._posted_bytes = 0  # bytes ever posted from it
+        self._close_task: Any = None
+        self._teardown_started = False
         self._tcp_fd = _socket_fd(control)
         ep.epoll = select.epoll()
         ep.epoll.register(ep.channel.fileno(), select.EPOLLIN)
@@ -509,6 +514,8 @@ class RdmaLink(Link):
                 self._handle(n)
             self._deliver()
             self._maybe_send_credit()
+            if self._backlog and not self.closed:
+                self._flush()
         except (RDMAError, CreditError) as exc:
             self._fail(exc if isinstance(exc, RDMAError) else RemoteProtocolError(str(exc)))
         if self.tcp_ended and not self.pending and self.core.peer_close is None and self.core.error is None:
@@ -542,14 +549,16 @@ class RdmaLink(Link):
             else:
                 self.pending.append(slot)
 
-    def _deliver(self) -> None:
-        """Take pending receive buffers into the Core while it has room; re-post them."""
+    def _deliver(self, *, force: bool = False) -> None:
+        """Take pending receive buffers into the Core while it has room (``force``:
+        at least one, for a reader that waits although much is buffered); re-post them."""
         core, pending = self.core, self.pending
         if not pending:
             return
         done: list[Slot] = []
         try:
-            while pending and core.buffered < RECEIVE_HIGH_WATER and core.error is None:
+            while pending and (force or core.buffered < RECEIVE_HIGH_WATER) and core.error is None:
+                force = False
                 slot = pending.popleft()
                 view = slot.lend(slot.byte_len)
                 try:
@@ -645,9 +654,14 @@ class RdmaLink(Link):
         if self.closed:
             return
         if self.pending:
-            self._deliver()
-            if self.core.buffered or self.core.messages or self.core.error or self.core.peer_eof:
-                return
+            # a waiting reader wants more, however much is buffered (a long
+            # line, a large message): hand it at least one more buffer
+            try:
+                self._deliver(force=True)
+                self._maybe_send_credit()
+            except (RDMAError, CreditError) as exc:
+                self._fail(exc)
+            return
         await self._wait_progress()
 
     def consumed(self) -> None:
@@ -658,64 +672,143 @@ class RdmaLink(Link):
             except (RDMAError, CreditError) as exc:
                 self._fail(exc)
 
-    async def send(self, chunks: Sequence[Chunk]) -> None:
-        if self.closed:
-            raise ClosedResourceError
-        async with self._send_lock:
-            await self._send_frames(chunks)
-
-    async def _send_frames(self, chunks: Sequence[Chunk], *, signal_last: bool = False) -> None:
-        ep = self.ep
-        assert ep.qp is not None
-        slot: Slot | None = None
-        filled = 0
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            pos = 0
-            while pos < len(view):
-                if slot is None:
-                    slot = await self._acquire_send_slot()
-                    filled = 0
-                take = min(len(view) - pos, slot.size - filled)
-                slot.fill(view[pos : pos + take], filled)
-                filled += take
-                pos += take
-                if filled == slot.size:
-                    self._post_send(slot, filled)
-                    slot = None
-        if slot is not None:
-            self._post_send(slot, filled, signal=signal_last)
-
-    async def _acquire_send_slot(self) -> Slot:
-        pool = self.ep.send_pool
-        assert pool is not None
-        while True:
-            self._check_usable()
-            if self.credits.can_send_data():
-                slot = pool.try_acquire()
-                if slot is not None:
-                    return slot
-            await self._wait_progress()
+    # -- sending -------------------------------------------------------------------
+    #
+    # Every send goes through one ordered backlog of memoryviews.  ``_flush``
+    # (synchronous) packs it into send slots, as many as credits and free slots
+    # allow, and posts them; it runs on each send and after each progress, so
+    # whoever makes progress also moves the backlog.  Bytes are counted: a send
+    # is done when everything up to its last byte was posted.  The async
+    # ``send`` (anyio API) waits for that; ``write_nowait`` (asyncio API)
+    # returns at once and ``drain`` waits.  A view into the caller's buffer
+    # never outlives the call that put it there: what is left is copied.
 
     def _check_usable(self) -> None:
+        if self.closed:
+            raise ClosedResourceError
         if self.core.error is not None:
             raise self.core.broken()
         if self.failed or self.tcp_ended:
             raise BrokenResourceError("the RDMA connection failed")
 
+    def _enqueue(self, chunks: Sequence[Chunk]) -> int:
+        """Append to the backlog; returns the byte count that marks the end of these chunks."""
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if len(view):
+                self._backlog.append(view)
+                self._enqueued += len(view)
+        return self._enqueued
+
+    def _detach_backlog(self, owner_end: int) -> None:
+        """Copy the unposted views of a call (whose bytes end at ``owner_end``) out of the caller's buffer."""
+        remaining = owner_end - self._posted_bytes
+        index = len(self._backlog) - 1
+        tail = self._enqueued - owner_end  # bytes enqueued after this call (by others)
+        while remaining > 0 and index >= 0:
+            view = self._backlog[index]
+            if tail >= len(view):
+                tail -= len(view)
+            else:
+                self._backlog[index] = memoryview(bytes(view))
+                remaining -= len(view) - tail
+                tail = 0
+            index -= 1
+
+    def _flush(self, *, signal_last: bool = False) -> None:
+        """Post as much of the backlog as credits and free slots allow (synchronous)."""
+        backlog = self._backlog
+        pool = self.ep.send_pool
+        assert pool is not None
+        while backlog and not self.failed and self.credits.can_send_data():
+            slot = pool.try_acquire()
+            if slot is None:
+                return
+            filled = 0
+            size = slot.size
+            while backlog and filled < size:
+                view = backlog[0]
+                take = min(len(view), size - filled)
+                slot.fill(view[:take] if take < len(view) else view, filled)
+                filled += take
+                if take == len(view):
+                    backlog.popleft()
+                else:
+                    backlog[0] = view[take:]
+            self._post_send(slot, filled, signal=signal_last and not backlog)
+            self._posted_bytes += filled
+
+    async def _wait_posted(self, end: int) -> None:
+        """Wait until the backlog was posted up to byte ``end``."""
+        try:
+            self._flush()
+            while self._posted_bytes < end:
+                self._check_usable()
+                await self._wait_progress()
+                self._flush()
+        except BaseException:
+            self._detach_backlog(end)
+            raise
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        self._check_usable()
+        await self._wait_posted(self._enqueue(chunks))
+
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """asyncio API: queue and post what can be posted now; ``drain`` waits for the rest."""
+        self._check_usable()
+        end = self._enqueue(chunks)
+        try:
+            self._flush()
+        finally:
+            self._detach_backlog(end)
+
+    @property
+    def _paused_writing(self) -> bool:
+        """asyncio API: ``drain`` has something to wait for."""
+        return bool(self._backlog)
+
+    @property
+    def lost(self) -> bool:
+        return self.failed or self.tcp_ended or self.closed
+
+    _writer = None  # asyncio API: no transport to write to directly
+
+    async def drain(self) -> None:
+        """asyncio API: wait until everything written was posted."""
+        await self._wait_posted(self._enqueued)
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None:
+        """The TCP transport of the control connection (asyncio), for ``get_extra_info``."""
+        transport = getattr(self.control, "transport", None)
+        return transport if transport is not None else None
+
+    def close_nowait(self, final: bytes) -> None:
+        """asyncio API: start the teardown (flushes what was written first) in a task."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self.aclose(final))
+            self._close_task.add_done_callback(self._closed_callback)
+
+    @staticmethod
+    def _closed_callback(task: Any) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("aiordma: closing an RDMA connection failed: %r", task.exception())
+
+    async def wait_closed(self) -> None:
+        if self._close_task is not None:
+            await asyncio.shield(self._close_task)
+
     def _post_send(self, slot: Slot, length: int, *, signal: bool = False) -> None:
         """Post one data SEND.  Only every ``signal_every``-th one (or one that
-        leaves few slots free) asks for a completion; RC completes in order, so
-        that completion frees every slot posted before it too."""
+        leaves few slots free, or the last before closing) asks for a
+        completion; RC completes in order, so that completion frees every slot
+        posted before it too."""
         ep = self.ep
         assert ep.qp is not None and ep.send_pool is not None
         imm = pack_imm(SendKind.DATA, *self.credits.on_send_data())
         self._unsignaled += 1
-        signaled = (
-            signal
-            or self._unsignaled >= ep.config.signal_every
-            or ep.send_pool.free_count <= ep.send_slots // 2
-        )
+        signaled = signal or self._unsignaled >= ep.config.signal_every or ep.send_pool.free_count <= ep.send_slots // 2
         slot.mark_posted()
         try:
             ep.qp.post_send(
@@ -741,18 +834,23 @@ class RdmaLink(Link):
             await self._wait_progress()
 
     async def aclose(self, final: bytes) -> None:
-        if self.closed:
+        if self.closed and self._teardown_started:
             return
+        self._teardown_started = True
         with anyio.CancelScope(shield=True):
-            if final and not self.failed and self.core.error is None and not self.tcp_ended:
+            if not self.failed and self.core.error is None and not self.tcp_ended:
                 with anyio.move_on_after(self.ep.config.close_timeout):
                     try:
-                        async with self._send_lock:
-                            await self._send_frames([final], signal_last=True)
+                        end = self._enqueue([final]) if final else self._enqueued
+                        self._flush(signal_last=True)
+                        while self._posted_bytes < end and not self._finished():
+                            await self._wait_progress()
+                            self._flush(signal_last=True)
                         await self._flush_sends()
                     except (BrokenResourceError, ClosedResourceError, RDMAError) as exc:
                         log.debug("aiordma: could not send CLOSE over RDMA: %r", exc)
             self.closed = True
+            self._backlog.clear()
             for slot in self.pending:
                 slot.pool.free(slot)
             self.pending.clear()

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl as _ssl
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import anyio
 
@@ -28,8 +28,9 @@ from ._api import Options, _discard, _open, make_options
 from ._core import Core
 from ._errors import HandshakeError, LocalProtocolError, RDMAUnavailableError
 from ._links import AsyncioLink
+from ._rdma import RdmaLink
 from ._negotiate import local_offer, server_handshake
-from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Half, Mode, Role
+from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
 __all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
 
@@ -200,10 +201,28 @@ class StreamReader:
         return line
 
 
+class _WriterLink(Protocol):
+    """What the writer needs of a link: the TCP ``AsyncioLink``, or the
+    ``RdmaLink`` that replaced it after the switch to RDMA."""
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...
+    @property
+    def lost(self) -> bool: ...
+    @property
+    def _writer(self) -> asyncio.Transport | None: ...  # written to directly when there is one
+    @property
+    def _paused_writing(self) -> bool: ...
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None: ...
+    async def drain(self) -> None: ...
+    def close_nowait(self, final: bytes) -> None: ...
+    async def wait_closed(self) -> None: ...
+
+
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
-    def __init__(self, core: Core, link: AsyncioLink, reader: StreamReader) -> None:
+    def __init__(self, core: Core, link: _WriterLink, reader: StreamReader) -> None:
         self._core = core
         self._link = link
         self._reader = reader
@@ -298,7 +317,7 @@ class StreamWriter:
 
 def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
     link = core.link
-    assert isinstance(link, AsyncioLink)
+    assert isinstance(link, (AsyncioLink, RdmaLink))
     reader = StreamReader(core, limit)
     return reader, StreamWriter(core, link, reader)
 

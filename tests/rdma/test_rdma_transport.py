@@ -244,3 +244,39 @@ async def test_killed_peer_breaks_the_stream(anyio_backend: Any, host: str) -> N
                         await stream.receive()
                     with pytest.raises(BrokenResourceError):
                         await stream.send(b"anyone?")
+
+
+async def test_asyncio_streams_over_rdma(anyio_backend: Any, host: str) -> None:
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("aiordma.asyncio runs on asyncio (and uvloop) only")
+
+    async def handler(reader: aiordma.asyncio.StreamReader, writer: aiordma.asyncio.StreamWriter) -> None:
+        assert writer.get_extra_info("aiordma_transport") == "rdma"
+        while line := await reader.readline():
+            writer.write(line.upper())
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    with anyio.fail_after(60):
+        async with no_fd_leak():
+            server = await aiordma.asyncio.start_server(handler, host, 0, transport="rdma", limit=8 << 20)
+            async with server:
+                port = server.addresses[0][1]
+                reader, writer = await aiordma.asyncio.open_connection(host, port, transport="rdma")
+                assert writer.get_extra_info("aiordma_transport") == "rdma"
+                assert writer.get_extra_info("aiordma_fallback_reason") == ""
+                big = b"y" * (3 << 20) + b"\n"
+                writer.write(b"hello\n")
+                writer.writelines([b"wor", b"ld\n"])
+                writer.write(big)  # more than the credits allow at once: drain must wait
+                await writer.drain()
+                assert await reader.readline() == b"HELLO\n"
+                assert await reader.readexactly(6) == b"WORLD\n"
+                assert await reader.readexactly(len(big)) == big.upper()
+                writer.write(b"last line, then EOF\n")
+                writer.write_eof()
+                assert await reader.readline() == b"LAST LINE, THEN EOF\n"
+                assert await reader.read() == b""
+                writer.close()
+                await writer.wait_closed()
