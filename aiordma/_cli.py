@@ -471,9 +471,24 @@ async def _measure_message_rate(channel: Channel, count: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def run_demo(transport: str | None, total_bytes: int, messages: int, round_trips: int) -> DemoResult:
+def demo_host() -> str:
+    """Where the demo listens: an address an RDMA device serves when this host
+    can do RDMA (RDMA needs the device behind the address), else loopback."""
+    from ._rdma_probe import probe
+
+    if probe().usable:
+        from .testing import rdma_address
+
+        address = rdma_address()
+        if address is not None:
+            return address
+    return "127.0.0.1"
+
+
+async def run_demo(
+    transport: str | None, total_bytes: int, messages: int, round_trips: int, host: str = "127.0.0.1"
+) -> DemoResult:
     checks: list[str] = []
-    host = "127.0.0.1"
     async with (
         await create_listener(host, 0, transport=transport) as stream_listener,
         await create_channel_listener(host, 0, transport=transport) as channel_listener,
@@ -545,8 +560,8 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def format_demo(result: DemoResult, backend: str, policy: str) -> str:
-    lines = [f"aiordma demo: backend {backend}, transport policy {policy}, 127.0.0.1, client and server in one process"]
+def format_demo(result: DemoResult, backend: str, policy: str, host: str = "127.0.0.1") -> str:
+    lines = [f"aiordma demo: backend {backend}, transport policy {policy}, {host}, client and server in one process"]
     lines.append(f"transport: {result.transport}")
     lines.append(f"fallback reason: {result.fallback_reason or '(none: the data runs on RDMA)'}")
     for check in result.checks:
@@ -593,9 +608,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         options["loop_factory"] = uvloop.new_event_loop
 
+    host = args.host or demo_host()
+
     async def bounded() -> DemoResult:
         with anyio.fail_after(args.timeout):
-            return await run_demo(policy, args.bytes, args.messages, args.round_trips)
+            return await run_demo(policy, args.bytes, args.messages, args.round_trips, host)
 
     try:
         result = anyio.run(bounded, backend=backend, backend_options=options)
@@ -621,7 +638,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         traceback.print_exception(raised)
         print(f"aiordma demo: FAILED: unexpected {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return EXIT_FAILED
-    print(format_demo(result, args.backend, policy))
+    print(format_demo(result, args.backend, policy, host))
     return EXIT_OK
 
 
@@ -650,12 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="echo bytes and messages over 127.0.0.1 and measure",
+        help="echo bytes and messages over the best transport here and measure",
         description=(
-            "Start a byte-stream listener and a channel listener on 127.0.0.1 in this process, connect to each, "
-            "check that bytes and messages come back intact, and print latency, throughput and message rate."
+            "Start a byte-stream listener and a channel listener in this process (on an address an RDMA device "
+            "serves when there is one, else 127.0.0.1), connect to each, check that bytes and messages come back "
+            "intact, and print the transport, the fallback reason, latency, throughput and message rate."
         ),
     )
+    demo.add_argument("--host", default=None, help="address to listen and connect on (default: see above)")
     demo.add_argument(
         "--transport",
         choices=("auto", "tcp", "rdma"),

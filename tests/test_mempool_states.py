@@ -336,3 +336,94 @@ def test_random_operations_keep_counts_consistent(ops: list[tuple[str, int]]) ->
             x.free()
     p.close()
     assert all(r.closed for r in reg.regions)
+
+
+# --------------------------------------------------------------------------
+# the receive path's shortcuts: acquire_posted() and consume()
+# --------------------------------------------------------------------------
+
+
+def test_acquire_posted_moves_free_slots_to_posted(pool: MemoryPool) -> None:
+    slots = pool.acquire_posted(3)
+    assert len({s.index for s in slots}) == 3
+    assert all(s.state is SlotState.POSTED and s.generation == 1 for s in slots)
+    st = pool.stats()
+    assert (st.posted, st.free + st.posted) == (3, st.slots)
+    with pytest.raises(SlotStateError):
+        pool.free(slots[0])  # the device owns it
+    with pytest.raises(SlotStateError):
+        pool.fill(slots[0], b"x")
+    for s in slots:
+        assert pool.complete(s.wr_id, 10) is s
+        pool.free(s)
+    assert pool.stats().free == pool.stats().slots
+
+
+def test_acquire_posted_is_all_or_nothing(pool: MemoryPool) -> None:
+    # 1000-byte slots, 4 per 4096-byte region, max_bytes three regions: 12 slots at most
+    held = pool.acquire_posted(10)
+    before = pool.stats()
+    with pytest.raises(PoolExhaustedError):
+        pool.acquire_posted(3)
+    after = pool.stats()
+    assert (after.posted, after.free) == (before.posted, before.free) == (10, 2)
+    got = pool.acquire_posted(2)
+    assert pool.stats().free == 0
+    for s in held + got:
+        pool.free(pool.complete(s.wr_id))
+
+
+def test_acquire_posted_refused_slots_go_back(pool: MemoryPool) -> None:
+    (slot,) = pool.acquire_posted(1)
+    pool.unpost(slot)  # the device refused it
+    pool.free(slot)
+    assert pool.stats().free == pool.stats().slots
+
+
+def test_consume_hands_the_bytes_to_the_sink_then_frees(pool: MemoryPool) -> None:
+    slot = pool.acquire()
+    pool.fill(slot, b"hello world")
+    pool.mark_posted(slot)
+    pool.complete(slot.wr_id, byte_len=5)
+    seen: list[tuple[bytes, SlotState, bool]] = []
+    pool.consume(slot, lambda view: seen.append((bytes(view), slot.state, view.readonly)))
+    assert seen == [(b"hello", SlotState.LENT, True)]
+    assert slot.state is SlotState.FREE and pool.stats().lent == 0
+
+
+def test_consume_refuses_a_posted_or_free_slot(pool: MemoryPool) -> None:
+    slot = pool.acquire()
+    pool.mark_posted(slot)
+    with pytest.raises(SlotStateError, match="device owns it"):
+        pool.consume(slot, lambda view: None)
+    assert slot.state is SlotState.POSTED
+    pool.complete(slot.wr_id)
+    pool.free(slot)
+    with pytest.raises(SlotStateError, match="already free"):
+        pool.consume(slot, lambda view: None)
+
+
+def test_consume_frees_the_slot_when_the_sink_raises(pool: MemoryPool) -> None:
+    slot = pool.acquire()
+    pool.mark_posted(slot)
+    pool.complete(slot.wr_id, byte_len=4)
+
+    def sink(view: memoryview) -> None:
+        raise ValueError("bad frame")
+
+    with pytest.raises(ValueError, match="bad frame"):
+        pool.consume(slot, sink)
+    assert slot.state is SlotState.FREE
+
+
+def test_consume_keeps_a_slot_whose_view_outlived_the_sink(pool: MemoryPool) -> None:
+    slot = pool.acquire()
+    pool.mark_posted(slot)
+    pool.complete(slot.wr_id, byte_len=8)
+    kept: list[memoryview] = []
+    with pytest.raises(BufferError, match="outlived the sink"):
+        pool.consume(slot, lambda view: kept.append(view[2:]))
+    assert slot.state is SlotState.LENT  # never recycled under a live view
+    assert slot not in pool._free and pool.stats().lent == 1
+    kept.clear()
+    pool._returned(slot, slot.generation)  # what SlotView.release() would do, for the teardown

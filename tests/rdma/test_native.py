@@ -645,3 +645,71 @@ def test_pyverbs_peer_exchanges_send_recv(dev: Dev) -> None:
                 mr.close()
     finally:
         pctx.close()
+
+
+def test_scalar_fast_paths_post_send_imm_and_post_recv_one(loop: Loop) -> None:
+    a, b = loop.a, loop.b
+    b.qp.post_recv_one(b.mr.addr, 4096, b.mr.lkey, 21)
+    b.qp.post_recv_one(b.mr.addr + 4096, 4096, b.mr.lkey, 22)
+    a.mr.write(0, b"fast")
+    a.qp.post_send_imm(31, a.mr.addr, 4, a.mr.lkey, 0xCAFEF00D, True)
+    a.qp.post_send_imm(32, 0, 0, 0, 0x80000001, True)  # no payload: a credit-only SEND
+    assert [(w.wr_id, w.opcode, w.ok) for w in wait_wcs(a.cq, 2)] == [(31, v.WCOpcode.SEND, True),
+                                                                      (32, v.WCOpcode.SEND, True)]  # fmt: skip
+    r1, r2 = wait_wcs(b.cq, 2)
+    assert (r1.wr_id, r1.byte_len, r1.imm_data) == (21, 4, 0xCAFEF00D)
+    assert (r2.wr_id, r2.byte_len, r2.imm_data) == (22, 0, 0x80000001)
+    assert b.mr.read(0, 4) == b"fast"
+
+
+def test_unsignaled_post_send_imm_is_completed_by_a_later_signaled_one(loop: Loop) -> None:
+    a, b = loop.a, loop.b
+    b.qp.post_recv_batch([b.mr.addr] * 2, [64, 64], b.mr.lkey, [1, 2])
+    a.qp.post_send_imm(41, 0, 0, 0, 1, False)
+    a.qp.post_send_imm(42, 0, 0, 0, 2, True)
+    (s,) = wait_wcs(a.cq, 1)
+    assert s.wr_id == 42 and s.ok
+    assert [w.imm_data for w in wait_wcs(b.cq, 2)] == [1, 2]
+
+
+def test_scalar_fast_paths_report_errors(dev: Dev) -> None:
+    lp = make_loop(dev, max_send_wr=4)
+    try:
+        a, b = lp.a, lp.b
+        b.qp.post_recv_batch([b.mr.addr] * 32, [64] * 32, b.mr.lkey, list(range(32)))
+        posted = 0
+        with pytest.raises(v.PostError) as ei:
+            for i in range(a.qp.caps.max_send_wr + 8):  # more than the send queue holds
+                a.qp.post_send_imm(i, a.mr.addr, 8, a.mr.lkey, 0, True)
+                posted += 1
+        assert ei.value.errno == errno.ENOMEM and ei.value.call == "ibv_post_send"
+        assert (ei.value.posted, ei.value.total) == (0, 1) and 0 < posted <= 32
+        assert all(w.ok for w in wait_wcs(a.cq, posted))
+    finally:
+        lp.close()
+    with pytest.raises(RDMAError):
+        lp.a.qp.post_send_imm(1, 0, 0, 0, 0, True)  # closed
+    with pytest.raises(RDMAError):
+        lp.a.qp.post_recv_one(0, 0, 0, 1)
+
+
+def test_wcarray_entries_match_the_accessors(loop: Loop) -> None:
+    a, b = loop.a, loop.b
+    b.qp.post_recv_batch([b.mr.addr, b.mr.addr + 4096], [4096, 4096], b.mr.lkey, [(5 << 32) | 1, 2])
+    a.qp.post_send_imm(7, a.mr.addr, 3, a.mr.lkey, 0xFFFFFFFF, True)
+    a.qp.post_send(v.SendWR(v.Opcode.SEND, wr_id=8, addr=a.mr.addr, length=5, lkey=a.mr.lkey))
+    wait_wcs(a.cq, 2)
+    arr = v.WCArray(8)
+    deadline = time.monotonic() + 10
+    n = 0
+    while n == 0 and time.monotonic() < deadline:
+        n = b.cq.poll_spin_into(arr, 2_000_000, 2)
+    entries = arr.entries(n)
+    for i, (wr_id, status, byte_len, imm) in enumerate(entries):
+        assert (wr_id, status, byte_len) == (arr.wr_id(i), arr.status(i), arr.byte_len(i))
+        assert imm == (-1 if arr.imm_data(i) is None else arr.imm_data(i))
+    rest = wait_wcs(b.cq, 2 - n)
+    got = [(e[0], e[2], e[3]) for e in entries] + [(w.wr_id, w.byte_len, -1 if w.imm_data is None else w.imm_data)
+                                                  for w in rest]  # fmt: skip
+    assert got == [((5 << 32) | 1, 3, 0xFFFFFFFF), (2, 5, -1)]
+    assert arr.entries(0) == []

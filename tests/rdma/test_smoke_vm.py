@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -189,8 +190,31 @@ def test_pyverbs_rc_send_recv_between_two_qps() -> None:
             assert mrs[dst].read(size, 0) == payload
 
 
-# TODO(lead): add `test_aiordma_info_lists_rxe0` here once the CLI lands:
-# run `python -m aiordma info` (subprocess, timeout) in the guest and assert
-# rc == 0 and "rxe0" in its output (and the GID ::ffff:198.18.0.1 if it
-# prints GIDs). Not written yet because aiordma/_cli.py is being written in
-# parallel; the test must be able to fail, so no xfail placeholder.
+def test_aiordma_info_reports_the_device_and_rdma() -> None:
+    """`aiordma info` sees the device and says `auto` would use RDMA."""
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "-m", "aiordma", "info", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    text = json.dumps(info)
+    assert "rxe0" in text and "::ffff:198.18.0.1" in text
+    human = subprocess.run(
+        [sys.executable, "-m", "aiordma", "info"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert human.returncode == 0 and "rxe0" in human.stdout
+    assert "auto would use: rdma" in human.stdout, human.stdout
+
+
+def test_aiordma_demo_runs_on_rdma() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "aiordma", "demo", "--transport", "rdma", "--host", "198.18.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "transport: rdma" in done.stdout
