@@ -148,6 +148,18 @@ class _Endpoint:
             attrs[TransportAttribute.peer_max_message_size] = lambda: peer.max_message_size
         return attrs
 
+    async def send_eof(self) -> None:
+        """Half-close: no more sends; receiving goes on."""
+        await self._core.send_eof()
+
+    async def aclose(self) -> None:
+        """Send CLOSE (bounded) and release the connection; idempotent, also when cancelled."""
+        await self._core.aclose()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self._attributes()
+
 
 class Stream(_Endpoint, ByteStream):
     """A byte stream over one aiordma connection (``anyio.abc.ByteStream``).
@@ -180,15 +192,6 @@ class Stream(_Endpoint, ByteStream):
             return
         await self._core.send_data(item)
 
-    async def send_eof(self) -> None:
-        await self._core.send_eof()
-
-    async def aclose(self) -> None:
-        await self._core.aclose()
-
-    @property
-    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
-        return self._attributes()
 
 
 class Channel(_Endpoint, ObjectStream[bytes]):
@@ -210,21 +213,26 @@ class Channel(_Endpoint, ObjectStream[bytes]):
             raise TypeError(f"send() takes bytes, not {type(item).__name__}")
         await self._core.send_data(item)
 
-    async def send_eof(self) -> None:
-        await self._core.send_eof()
-
-    async def aclose(self) -> None:
-        await self._core.aclose()
-
-    @property
-    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
-        return self._attributes()
 
 
 async def _discard(core: Core) -> None:
     """Release a connection whose setup failed (also under cancellation)."""
     with anyio.CancelScope(shield=True):
         await core.aclose()
+
+
+async def accept_handshake(core: Core, opts: Options) -> bool:
+    """Run a server's handshake; a client that fails it is logged and dropped (False)."""
+    try:
+        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend)
+    except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
+        log.info("aiordma: dropped a client during the handshake: %s", exc)
+        await _discard(core)
+        return False
+    except BaseException:
+        await _discard(core)
+        raise
+    return True
 
 
 async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
@@ -419,19 +427,8 @@ class _BaseListener(Generic[E]):
             raise anyio.ClosedResourceError
 
         async def handle(link: Link) -> None:
-            core = link.core
-            try:
-                await server_handshake(
-                    core, self._opts.transport, tls=self._opts.ssl is not None, backend=self._opts.backend
-                )
-            except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
-                log.info("aiordma: dropped a client during the handshake: %s", exc)
-                await _discard(core)
-                return
-            except BaseException:
-                await _discard(core)
-                raise
-            await handler(self._wrap(core))
+            if await accept_handshake(link.core, self._opts):
+                await handler(self._wrap(link.core))
 
         if task_group is None:
             async with anyio.create_task_group() as tg:

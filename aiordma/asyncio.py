@@ -17,24 +17,21 @@ Extra info: ``writer.get_extra_info("aiordma_transport")`` is ``"tcp"`` or
 from __future__ import annotations
 
 import asyncio
-import logging
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import anyio
 
-from ._api import Options, _discard, _open, make_options
+from ._api import Options, _open, accept_handshake, make_options
 from ._core import Core
-from ._errors import HandshakeError, LocalProtocolError, RDMAUnavailableError
+from ._errors import LocalProtocolError
 from ._links import AsyncioLink
+from ._negotiate import local_offer
 from ._rdma import RdmaLink
-from ._negotiate import local_offer, server_handshake
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
 __all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
-
-log = logging.getLogger("aiordma")
 
 _DEFAULT_LIMIT = 2**16
 _EOF = Half.EOF
@@ -418,15 +415,8 @@ async def start_server(
 
     async def serve_one(link: AsyncioLink) -> None:
         core = link.core
-        try:
-            await server_handshake(core, opts.transport, tls=ssl is not None)
-        except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
-            log.info("aiordma: dropped a client during the handshake: %s", exc)
-            await _discard(core)
+        if not await accept_handshake(core, opts):
             return
-        except BaseException:
-            await _discard(core)
-            raise
         reader, writer = _pair(core, limit)
         try:
             result = client_connected_cb(reader, writer)

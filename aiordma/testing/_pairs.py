@@ -134,20 +134,28 @@ async def _tcp_pair(
 
 
 @asynccontextmanager
+async def _pair(
+    kind: PairKind, mode: Mode, max_message_size: int, wrap: Callable[[Core], E]
+) -> AsyncIterator[tuple[E, E]]:
+    if kind != "memory":
+        async with _tcp_pair(mode, kind, max_message_size, wrap) as pair:
+            yield pair
+        return
+    client, server = await _memory_cores(mode, max_message_size)
+    a, b = wrap(client), wrap(server)
+    try:
+        yield a, b
+    finally:
+        with anyio.CancelScope(shield=True):
+            await a.aclose()
+            await b.aclose()
+
+
+@asynccontextmanager
 async def stream_pair(kind: PairKind = "memory") -> AsyncIterator[tuple[Stream, Stream]]:
     """``async with stream_pair("tcp") as (client, server):`` -- connected byte streams, closed on exit."""
-    if kind == "memory":
-        client, server = await _memory_cores(Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE)
-        a, b = Stream(client), Stream(server)
-        try:
-            yield a, b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await a.aclose()
-                await b.aclose()
-    else:
-        async with _tcp_pair(Mode.STREAM, kind, DEFAULT_MAX_MESSAGE_SIZE, Stream) as pair:
-            yield pair
+    async with _pair(kind, Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE, Stream) as pair:
+        yield pair
 
 
 @asynccontextmanager
@@ -155,16 +163,5 @@ async def channel_pair(
     kind: PairKind = "memory", *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
 ) -> AsyncIterator[tuple[Channel, Channel]]:
     """``async with channel_pair("tcp") as (client, server):`` -- connected message channels."""
-    if kind == "memory":
-        client, server = await _memory_cores(Mode.MESSAGES, max_message_size)
-        a, b = Channel(client), Channel(server)
-        try:
-            yield a, b
-        finally:
-            with anyio.CancelScope(shield=True):
-                await a.aclose()
-                await b.aclose()
-    else:
-        async with _tcp_pair(Mode.MESSAGES, kind, max_message_size, Channel) as pair:
-            yield pair
-
+    async with _pair(kind, Mode.MESSAGES, max_message_size, Channel) as pair:
+        yield pair
