@@ -429,6 +429,46 @@ int aiordma_post_send_batch(struct ibv_qp *qp, int n,
     return 0;
 }
 
+/* One SEND_WITH_IMM (imm_data in host order), the data path's common case:
+ * the same work request aiordma_post_send_batch would build, without the
+ * array.  length 0 posts no sge.  Returns 0 or -errno. */
+int aiordma_post_send_imm(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr,
+                          uint32_t length, uint32_t lkey, uint32_t imm_data,
+                          uint32_t send_flags)
+{
+    struct ibv_send_wr wr, *bad = NULL;
+    struct ibv_sge sge;
+
+    memset(&wr, 0, sizeof(wr));
+    sge.addr = addr;
+    sge.length = length;
+    sge.lkey = lkey;
+    wr.wr_id = wr_id;
+    wr.sg_list = length ? &sge : NULL;
+    wr.num_sge = length ? 1 : 0;
+    wr.opcode = IBV_WR_SEND_WITH_IMM;
+    wr.send_flags = send_flags;
+    wr.imm_data = htonl(imm_data);
+    return -ibv_post_send(qp, &wr, &bad);
+}
+
+/* One receive buffer (one sge).  Returns 0 or -errno. */
+int aiordma_post_recv_one(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr,
+                          uint32_t length, uint32_t lkey)
+{
+    struct ibv_recv_wr wr, *bad = NULL;
+    struct ibv_sge sge;
+
+    sge.addr = addr;
+    sge.length = length;
+    sge.lkey = lkey;
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.next = NULL;
+    return -ibv_post_recv(qp, &wr, &bad);
+}
+
 /* ---- asynchronous events --------------------------------------------- */
 
 /* Read one async event from the context's (non-blocking) async fd, decode

@@ -179,6 +179,15 @@ int aiordma_post_recv_batch(struct ibv_qp *qp, int n, const uint64_t *addrs,
 int aiordma_post_send_batch(struct ibv_qp *qp, int n,
                             const struct aiordma_send_wr *wrs, int *posted);
 
+/* Scalar fast paths for the data path (one C call, no array to fill):
+ * post one SEND_WITH_IMM (length 0: no sge), or one receive buffer.
+ * Return 0 or -errno (nothing was posted then). */
+int aiordma_post_send_imm(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr,
+                          uint32_t length, uint32_t lkey, uint32_t imm_data,
+                          uint32_t send_flags);
+int aiordma_post_recv_one(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr,
+                          uint32_t length, uint32_t lkey);
+
 int aiordma_get_async_event(struct ibv_context *ctx, struct aiordma_async_event *out);
 
 #endif

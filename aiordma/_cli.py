@@ -111,7 +111,7 @@ def read_rdma_devices(root: str = SYSFS_IB) -> list[Device]:
                 port.gids.append(
                     Gid(
                         index,
-                        gid,
+                        _readable_gid(gid),
                         _read(os.path.join(port_dir, "gid_attrs", "types", str(index))),
                         _read(os.path.join(port_dir, "gid_attrs", "ndevs", str(index))),
                     )
@@ -144,6 +144,20 @@ def _would_use(policy: str) -> dict[str, Any]:
     if offer.rdma:
         return {"policy": choice, "transport": "rdma", "reason": "if the peer offers RDMA too", "error": False}
     return {"policy": choice, "transport": "tcp", "reason": offer.reason, "error": False}
+
+
+def _readable_gid(raw: str) -> str:
+    """sysfs prints GIDs in full; show them compressed, IPv4-mapped ones with their address
+    (``::ffff:198.18.0.1``, the form RoCEv2 uses for an IPv4 address)."""
+    import ipaddress
+
+    try:
+        address = ipaddress.IPv6Address(raw)
+    except ValueError:
+        return raw
+    if address.ipv4_mapped is not None:
+        return f"::ffff:{address.ipv4_mapped}"
+    return str(address)
 
 
 def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:

@@ -22,6 +22,12 @@ Every slot has exactly one owner at a time::
 * LENT: handed to the user as a :class:`SlotView` (a memoryview); it returns
   to FREE only when the view *and every slice made from it* are released.
 
+Two shortcuts for the RDMA receive path take the same transitions without
+the per-step calls: :meth:`MemoryPool.acquire_posted` (FREE -> ACQUIRED ->
+POSTED for ``n`` slots about to be posted) and :meth:`MemoryPool.consume`
+(COMPLETED -> LENT while a sink copies the bytes -> FREE, no
+:class:`SlotView`; a view the sink kept alive leaves the slot LENT).
+
 Misuse raises :class:`SlotStateError` (double free, recycling a posted slot,
 a completion for a slot that is not posted or for an older use of the slot).
 Completions carry ``wr_id = (generation << 32) | slot index``; the generation
@@ -76,6 +82,13 @@ class SlotState(enum.Enum):
     # members are singletons: hash by identity, in C (Enum's own hash is a
     # Python function, and the counters are updated on every transition)
     __hash__ = object.__hash__
+
+
+_FREE: Final = SlotState.FREE
+_ACQUIRED: Final = SlotState.ACQUIRED
+_POSTED: Final = SlotState.POSTED
+_COMPLETED: Final = SlotState.COMPLETED
+_LENT: Final = SlotState.LENT
 
 
 class SlotStateError(AiordmaError, RuntimeError):
@@ -430,7 +443,10 @@ class MemoryPool:
         slot.generation = (slot.generation + 1) & _GEN_MASK
         slot.byte_len = 0
         slot.status = 0
-        self._set(slot, SlotState.ACQUIRED)
+        counts = self._counts
+        counts[_FREE] -= 1
+        counts[_ACQUIRED] += 1
+        slot.state = _ACQUIRED
         return slot
 
     def acquire(self) -> Slot:
@@ -441,6 +457,75 @@ class MemoryPool:
                 f"all {len(self._slots)} slots are in use ({self.stats()}) and max_bytes={self.max_bytes} is reached"
             )
         return slot
+
+    def acquire_posted(self, n: int) -> list[Slot]:
+        """``n`` slots FREE -> ACQUIRED -> POSTED in one call (all or none).
+
+        For a caller that hands them to ``ibv_post_recv`` right away, on the
+        data path: the device owns them from now on.  The slots the device
+        refuses must go back with :meth:`unpost` then :meth:`free`.  Raises
+        :class:`PoolExhaustedError` (and changes nothing) when fewer than
+        ``n`` can be had.
+        """
+        self._ensure_open()
+        free = self._free
+        while len(free) < n:
+            try:
+                self._grow()
+            except PoolExhaustedError:
+                raise PoolExhaustedError(
+                    f"{n} slots wanted, {len(free)} free ({self.stats()}) and max_bytes={self.max_bytes} is reached"
+                ) from None
+        got = free[len(free) - n :]
+        del free[len(free) - n :]
+        got.reverse()  # the order acquire() would give (LIFO)
+        for slot in got:
+            slot.generation = (slot.generation + 1) & _GEN_MASK
+            slot.byte_len = 0
+            slot.status = 0
+            slot.state = _POSTED
+        counts = self._counts
+        counts[_FREE] -= n
+        counts[_POSTED] += n
+        return got
+
+    def consume(self, slot: Slot, sink: Callable[[memoryview], object]) -> None:
+        """Hand a COMPLETED slot's received bytes to ``sink`` and free it: COMPLETED -> FREE.
+
+        The receive path's shortcut for ``lend()`` + ``SlotView.release()``
+        without the :class:`SlotView`: ``sink`` gets a read-only view of the
+        ``byte_len`` bytes, the slot is LENT while it runs, and the view is
+        released right after it returns.  ``sink`` must copy what it keeps:
+        if it kept the view (or a slice of it) alive, :class:`BufferError` is
+        raised and the slot stays LENT (never recycled under a live view).
+        """
+        if slot.state is not _COMPLETED or slot.pool is not self:
+            self._expect(slot, (SlotState.COMPLETED,), "consume")
+        start = slot.offset
+        base = self._region_views[slot.region][start : start + slot.byte_len]
+        counts = self._counts
+        counts[_COMPLETED] -= 1
+        counts[_LENT] += 1
+        slot.state = _LENT
+        # as in SlotView: the PickleBuffer makes every view the sink derives
+        # hold an export on ``base``, so base.release() fails while one lives
+        pb = pickle.PickleBuffer(base)
+        view = memoryview(pb).toreadonly()
+        pb.release()
+        try:
+            sink(view)
+        finally:
+            try:
+                view.release()
+                base.release()
+            except BufferError:
+                raise BufferError(
+                    f"slot {slot.index} cannot be returned: a view of its bytes outlived the sink"
+                ) from None
+            counts[_LENT] -= 1  # (also when the sink raised)
+            counts[_FREE] += 1
+            slot.state = _FREE
+            self._free.append(slot)
 
     def acquire_many(self, n: int) -> list[Slot]:
         """``n`` slots or none (all-or-nothing)."""
@@ -456,7 +541,8 @@ class MemoryPool:
 
     def mark_posted(self, slot: Slot) -> None:
         """ACQUIRED -> POSTED: call right before handing it to ibv_post_*."""
-        self._expect(slot, (SlotState.ACQUIRED,), "post")
+        if slot.state is not _ACQUIRED or slot.pool is not self:
+            self._expect(slot, (SlotState.ACQUIRED,), "post")
         self._set(slot, SlotState.POSTED)
 
     def unpost(self, slot: Slot) -> None:
@@ -480,7 +566,8 @@ class MemoryPool:
     def complete(self, wr_id: int, byte_len: int = 0, status: int = 0) -> Slot:
         """POSTED -> COMPLETED for the slot of a polled work completion."""
         slot = self.slot_for(wr_id)
-        self._expect(slot, (SlotState.POSTED,), "complete")
+        if slot.state is not _POSTED:
+            self._expect(slot, (SlotState.POSTED,), "complete")
         slot.byte_len = byte_len
         slot.status = status
         self._set(slot, SlotState.COMPLETED)
@@ -488,7 +575,8 @@ class MemoryPool:
 
     def free(self, slot: Slot) -> None:
         """ACQUIRED or COMPLETED -> FREE.  Raises on double free, posted or lent slots."""
-        self._expect(slot, (SlotState.ACQUIRED, SlotState.COMPLETED), "free")
+        if (slot.state is not _COMPLETED and slot.state is not _ACQUIRED) or slot.pool is not self:
+            self._expect(slot, (SlotState.ACQUIRED, SlotState.COMPLETED), "free")
         self._set(slot, SlotState.FREE)
         self._free.append(slot)
 
@@ -513,7 +601,8 @@ class MemoryPool:
 
     def fill(self, slot: Slot, data: bytes | bytearray | memoryview, offset: int = 0) -> int:
         """Copy ``data`` into an ACQUIRED slot (before posting it); returns the length."""
-        self._expect(slot, (SlotState.ACQUIRED,), "fill")
+        if slot.state is not _ACQUIRED or slot.pool is not self:
+            self._expect(slot, (SlotState.ACQUIRED,), "fill")
         n = memoryview(data).nbytes
         if offset < 0 or offset + n > slot.size:
             raise ValueError(f"{n} bytes at offset {offset} do not fit a {slot.size}-byte slot")

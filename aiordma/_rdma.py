@@ -31,6 +31,16 @@ channel: its end (or any byte on it) means the peer is gone.
   after the poll raises a new event), and sleeps in the event loop on one
   epoll fd that holds the completion channel, the device's async-event fd and
   the TCP socket.  No busy loop when idle.
+* **Per message.**  The data path keeps Python work per SEND and per
+  receive small: a data SEND is one C call (``QueuePair.post_send_imm``, no
+  ``SendWR``), only every ``signal_every``-th one is signaled; completions
+  are decoded in one pass (``WCArray.entries``); a received buffer is copied
+  straight from the registered region into the Core (``MemoryPool.consume``:
+  COMPLETED -> LENT -> FREE, no ``SlotView``), and the buffers delivered
+  together are re-posted together (``MemoryPool.acquire_posted`` marks them
+  POSTED right before the one post call; ``post_recv_one`` for one).  A wake
+  that brought a CQ event costs one event read, no epoll scan.  The stream
+  backlog is packed into slot-sized SENDs.
 * **Teardown.**  Stop posting; send CLOSE (bounded); move the QP to ERROR;
   poll until every posted work request came back; acknowledge all CQ events;
   destroy QP, CQ, channel; deregister the pools; free PD and context; close
@@ -77,6 +87,13 @@ PROBE_TAG = 1 << 61  # wr_id bit: the path probe (zero-length RDMA WRITE)
 _TAGS = SEND_TAG | CREDIT_TAG | PROBE_TAG
 _MTU_CODES = {v: k for k, v in MTU_BYTES.items()}
 _FLUSH = verbs.WCStatus.WR_FLUSH_ERR
+_SEND_WITH_IMM = verbs.Opcode.SEND_WITH_IMM
+# the immediate data's layout (see _credits.pack_imm), decoded inline on the receive path
+_IMM_DATA_BITS = 24
+_IMM_DATA_MASK = (1 << _IMM_DATA_BITS) - 1
+_IMM_CTRL_MASK = 0x7F
+assert unpack_imm(pack_imm(SendKind.CREDIT, 5, 3)) == (SendKind.CREDIT, 5, 3)
+assert pack_imm(SendKind.CREDIT, 5, 3) == 1 << 31 | 3 << _IMM_DATA_BITS | 5
 
 
 @dataclass(frozen=True)
@@ -248,14 +265,17 @@ class RdmaEndpoint:
         )
 
     def _post_receives(self, count: int) -> None:
-        assert self.qp is not None and self.recv_pool is not None
-        pool = self.recv_pool
-        slots = [pool.acquire() for _ in range(count)]
-        for slot in slots:
-            pool.mark_posted(slot)
+        """Post ``count`` free receive slots (FREE -> POSTED, then one C call)."""
+        qp, pool = self.qp, self.recv_pool
+        assert qp is not None and pool is not None
+        slots = pool.acquire_posted(count)
         try:
-            self.qp.post_recv_batch([s.addr for s in slots], [s.size for s in slots], slots[0].lkey,
-                                    [s.wr_id for s in slots])  # fmt: skip
+            if count == 1:
+                slot = slots[0]
+                qp.post_recv_one(slot.addr, slot.size, slot.lkey, slot.wr_id)
+            else:
+                qp.post_recv_batch([s.addr for s in slots], [s.size for s in slots], slots[0].lkey,
+                                   [s.wr_id for s in slots])  # fmt: skip
         except verbs.PostError as exc:
             for slot in slots[exc.posted :]:
                 pool.unpost(slot)
@@ -487,11 +507,20 @@ class RdmaLink(Link):
         self.core.on_error(exc)
 
     def _after_wake(self) -> None:
-        """The epoll fd was readable: ack CQ events (the CQ is then disarmed), read the other fds."""
+        """The epoll fd was readable: ack CQ events (the CQ is then disarmed), read the other fds.
+
+        One CQ on the channel, armed once per sleep: at most one event is
+        pending, so one read does (an event left over would only make the
+        level-triggered epoll fd readable again).  When it was the CQ, the
+        other fds are looked at on a later wake that brings no CQ event
+        (epoll is level-triggered: a readable TCP socket or async fd keeps
+        waking us until read) -- one syscall less per message.
+        """
         ep = self.ep
         assert ep.channel is not None and ep.epoll is not None
-        if ep.channel.drain_events():
+        if ep.channel.drain_events(1):
             self._armed = False
+            return
         for fd, _ in ep.epoll.poll(0):
             if fd == self._tcp_fd:
                 self._read_control()
@@ -524,29 +553,31 @@ class RdmaLink(Link):
 
     def _handle(self, n: int) -> None:
         ep, wc, credits = self.ep, self.ep.wc, self.credits
-        for i in range(n):
-            wr_id = wc.wr_id(i)
-            status = wc.status(i)
-            slot = ep.account(wr_id, wc.byte_len(i), status)
-            if status != verbs.WCStatus.SUCCESS:
-                if slot is not None:
-                    slot.pool.free(slot)
+        recv_pool = ep.recv_pool
+        assert recv_pool is not None
+        for i, (wr_id, status, byte_len, imm) in enumerate(wc.entries(n)):
+            if wr_id & SEND_TAG:
+                ep.account(wr_id, byte_len, status)
+                if status and not (status == _FLUSH and (self.closed or self.failed)):
+                    self._fail(wc[i].error("RDMA send"))
+                continue
+            slot = recv_pool.complete(wr_id, byte_len, status)  # POSTED -> COMPLETED
+            if status:
+                recv_pool.free(slot)
                 if not (status == _FLUSH and (self.closed or self.failed)):
-                    self._fail(wc[i].error("RDMA " + ("send" if wr_id & SEND_TAG else "receive")))
+                    self._fail(wc[i].error("RDMA receive"))
                 continue
-            if slot is None:
-                continue
-            imm = wc.imm_data(i)
-            if imm is None:
-                slot.pool.free(slot)
+            if imm < 0:
+                recv_pool.free(slot)
                 self._fail(RemoteProtocolError("an RDMA SEND arrived without immediate data"))
                 continue
-            kind, returned, control = unpack_imm(imm)
-            credits.on_receive(kind, returned, control)
-            if kind is SendKind.CREDIT:
+            # the layout of _credits.pack_imm, without building a SendKind per message
+            if imm >> 31:
+                credits.on_receive(SendKind.CREDIT, imm & _IMM_DATA_MASK, imm >> _IMM_DATA_BITS & _IMM_CTRL_MASK)
                 ep.repost([slot])
                 credits.on_repost(SendKind.CREDIT)
             else:
+                credits.on_receive(SendKind.DATA, imm & _IMM_DATA_MASK, imm >> _IMM_DATA_BITS & _IMM_CTRL_MASK)
                 self.pending.append(slot)
 
     def _deliver(self, *, force: bool = False) -> None:
@@ -555,22 +586,22 @@ class RdmaLink(Link):
         core, pending = self.core, self.pending
         if not pending:
             return
-        done: list[Slot] = []
+        pool = self.ep.recv_pool
+        assert pool is not None
+        feed = core.feed
+        done = 0
         try:
             while pending and (force or core.buffered < RECEIVE_HIGH_WATER) and core.error is None:
                 force = False
-                slot = pending.popleft()
-                view = slot.lend(slot.byte_len)
-                try:
-                    core.feed(view.data)
-                finally:
-                    view.release()  # -> FREE
-                done.append(slot)
+                # COMPLETED -> LENT (the Core copies the bytes) -> FREE
+                pool.consume(pending.popleft(), feed)
+                done += 1
         finally:
             if done and not (self.closed or self.failed):
-                self.ep._post_receives(len(done))
-                for _ in done:
-                    self.credits.on_repost(SendKind.DATA)
+                self.ep._post_receives(done)  # all of them in one post
+                credits = self.credits
+                for _ in range(done):
+                    credits.on_repost(SendKind.DATA)
 
     def _maybe_send_credit(self) -> None:
         if self.closed or self.failed or not self.credits.should_send_credit():
@@ -579,7 +610,7 @@ class RdmaLink(Link):
         imm = pack_imm(SendKind.CREDIT, *self.credits.on_send_credit())
         self.ep.credit_sends += 1
         try:
-            self.ep.qp.post_send(verbs.SendWR(verbs.Opcode.SEND_WITH_IMM, wr_id=SEND_TAG | CREDIT_TAG, imm_data=imm))
+            self.ep.qp.post_send_imm(SEND_TAG | CREDIT_TAG, 0, 0, 0, imm, True)
         except RDMAError:
             self.ep.credit_sends -= 1
             raise
@@ -720,23 +751,29 @@ class RdmaLink(Link):
         backlog = self._backlog
         pool = self.ep.send_pool
         assert pool is not None
-        while backlog and not self.failed and self.credits.can_send_data():
+        if not backlog or self.failed:
+            return
+        # fill as many slots as credits allow, then post them with one call
+        credit = self.credits.available
+        batch: list[tuple[Slot, int]] = []
+        while backlog and len(batch) < credit:
             slot = pool.try_acquire()
             if slot is None:
-                return
+                break
             filled = 0
             size = slot.size
             while backlog and filled < size:
                 view = backlog[0]
                 take = min(len(view), size - filled)
-                slot.fill(view[:take] if take < len(view) else view, filled)
+                pool.fill(slot, view[:take] if take < len(view) else view, filled)
                 filled += take
                 if take == len(view):
                     backlog.popleft()
                 else:
                     backlog[0] = view[take:]
-            self._post_send(slot, filled, signal=signal_last and not backlog)
-            self._posted_bytes += filled
+            batch.append((slot, filled))
+        if batch:
+            self._post_sends(batch, signal=signal_last and not backlog)
 
     async def _wait_posted(self, end: int) -> None:
         """Wait until the backlog was posted up to byte ``end``."""
@@ -799,31 +836,57 @@ class RdmaLink(Link):
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
 
-    def _post_send(self, slot: Slot, length: int, *, signal: bool = False) -> None:
-        """Post one data SEND.  Only every ``signal_every``-th one (or one that
-        leaves few slots free, or the last before closing) asks for a
-        completion; RC completes in order, so that completion frees every slot
-        posted before it too."""
-        ep = self.ep
-        assert ep.qp is not None and ep.send_pool is not None
-        imm = pack_imm(SendKind.DATA, *self.credits.on_send_data())
-        self._unsignaled += 1
-        signaled = signal or self._unsignaled >= ep.config.signal_every or ep.send_pool.free_count <= ep.send_slots // 2
-        slot.mark_posted()
+    def _post_sends(self, batch: Sequence[tuple[Slot, int]], *, signal: bool = False) -> None:
+        """Post filled send slots (``(slot, length)``, in order) as data SENDs, in one call.
+
+        Only every ``signal_every``-th SEND (or the last of a batch that
+        leaves few slots free, or, with ``signal``, the last before closing)
+        asks for a completion; RC completes in order, so that completion frees
+        every slot posted before it too.  One SEND goes through the scalar
+        ``post_send_imm``; more through one chained ``post_send_batch``: one
+        doorbell for the lot.
+        """
+        ep, credits = self.ep, self.credits
+        qp, pool = ep.qp, ep.send_pool
+        assert qp is not None and pool is not None
+        every = ep.config.signal_every
+        last = len(batch) - 1
+        low = pool.free_count <= ep.send_slots // 2
+        flags: list[bool] = []
+        imms: list[int] = []
+        for i, (slot, _length) in enumerate(batch):
+            imms.append(pack_imm(SendKind.DATA, *credits.on_send_data()))
+            self._unsignaled += 1
+            signaled = self._unsignaled >= every or (i == last and (signal or low))
+            if signaled:
+                self._unsignaled = 0
+            flags.append(signaled)
+            pool.mark_posted(slot)  # the device's from here
         try:
-            ep.qp.post_send(
-                verbs.SendWR(verbs.Opcode.SEND_WITH_IMM, wr_id=SEND_TAG | slot.wr_id, addr=slot.addr, length=length,
-                             lkey=slot.lkey, imm_data=imm, signaled=signaled)  # fmt: skip
-            )
-        except RDMAError as exc:
-            slot.unpost()
-            slot.free()
-            self._fail(exc)
-            raise self.core.broken() from exc
-        ep.sent.append(slot)
-        if signaled:
-            self._unsignaled = 0
-            ep.signaled.add(SEND_TAG | slot.wr_id)
+            if last == 0:
+                slot, length = batch[0]
+                qp.post_send_imm(SEND_TAG | slot.wr_id, slot.addr, length, slot.lkey, imms[0], flags[0])
+            else:
+                qp.post_send_batch([
+                    verbs.SendWR(_SEND_WITH_IMM, SEND_TAG | slot.wr_id, slot.addr, length, slot.lkey,
+                                 imm_data=imm, signaled=signaled)
+                    for (slot, length), imm, signaled in zip(batch, imms, flags, strict=True)
+                ])  # fmt: skip
+            posted = len(batch)
+            error: RDMAError | None = None
+        except RDMAError as exc:  # PostError says how many went; another error: none did
+            posted, error = (exc.posted if isinstance(exc, verbs.PostError) else 0), exc
+        for (slot, length), signaled in zip(batch[:posted], flags, strict=False):
+            ep.sent.append(slot)
+            if signaled:
+                ep.signaled.add(SEND_TAG | slot.wr_id)
+            self._posted_bytes += length
+        if error is not None:
+            for slot, _length in batch[posted:]:  # refused: ours again
+                pool.unpost(slot)
+                pool.free(slot)
+            self._fail(error)
+            raise self.core.broken() from error
 
     async def _flush_sends(self) -> None:
         """Wait until every data SEND we posted has completed (the peer has it).

@@ -40,6 +40,7 @@ import ipaddress
 import mmap
 import os
 import socket
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -190,6 +191,13 @@ class SendFlags(enum.IntFlag):
     SIGNALED = 2
     SOLICITED = 4
     INLINE = 8
+
+
+# the same values as plain ints, for the posting loops
+_FENCE: Final = 1
+_SIGNALED: Final = 2
+_SOLICITED: Final = 4
+_INLINE: Final = 8
 
 
 class Opcode(enum.IntEnum):
@@ -991,6 +999,13 @@ class WorkCompletion:
             raise self.error()
 
 
+#: struct aiordma_wc as Python's struct module sees it (native layout, checked below)
+_WC_STRUCT: Final = struct.Struct("@QIIIIIIII")
+_WC_SIZE: Final = _WC_STRUCT.size
+if _ffi is not None and _ffi.sizeof("struct aiordma_wc") != _WC_SIZE:  # pragma: no cover - ABI guard
+    raise ImportError("struct aiordma_wc does not have the layout aiordma expects")
+
+
 class WCArray:
     """A preallocated array of flat completions for allocation-free polling.
 
@@ -1019,6 +1034,21 @@ class WCArray:
 
     def decode(self, count: int) -> list[WorkCompletion]:
         return [self[i] for i in range(count)]
+
+    def entries(self, count: int) -> list[tuple[int, int, int, int]]:
+        """``(wr_id, status, byte_len, imm)`` of the first ``count`` entries, in one pass.
+
+        ``imm`` is the immediate data (host order) or -1 when the completion
+        carries none.  Cheaper than the per-field accessors on the data path:
+        the array is read as bytes and unpacked by ``struct`` in C.
+        """
+        if count <= 0:
+            return []
+        raw = _ffi.buffer(self._a, count * _WC_SIZE)
+        return [
+            (wr_id, status, byte_len, imm if flags & _WC_WITH_IMM else -1)
+            for wr_id, status, _op, _vendor, byte_len, imm, _qp, _src, flags in _WC_STRUCT.iter_unpack(raw)
+        ]
 
     def wr_id(self, i: int) -> int:
         return int(self._a[i].wr_id)
@@ -1092,7 +1122,14 @@ class CompletionChannel(_Resource):
 
     def drain_events(self, max_events: int = 64) -> int:
         """Read and acknowledge pending events; returns how many (0 if none)."""
-        return sum(self.drain_events_per_cq(max_events).values())
+        if self._h is None:
+            self._ensure_open("ibv_get_cq_event")
+        if max_events > self._ev_max:
+            self._ev_cqs = _ffi.new("struct ibv_cq *[]", max_events)
+            self._ev_counts = _ffi.new("unsigned int[]", max_events)
+            self._ev_max = max_events
+        total = int(_lib.aiordma_drain_cq_events(self._h, max_events, self._ev_cqs, self._ev_counts, self._ev_n))
+        return _check(total, "ibv_get_cq_event")
 
     def close(self) -> None:
         """``ibv_destroy_comp_channel``; the CQs using it must be closed first."""
@@ -1436,6 +1473,32 @@ class QueuePair(_Resource):
         if rc < 0:
             raise PostError(-rc, "ibv_post_recv", int(self._posted[0]), n)
 
+    def post_recv_one(self, addr: int, length: int, lkey: int, wr_id: int) -> None:
+        """Post one receive buffer (the data path's re-post; one C call, no arrays).
+
+        Raises :class:`PostError` (``posted`` 0) if the device refused it.
+        """
+        if self._h is None:
+            self._ensure_open("ibv_post_recv")
+        rc = int(_lib.aiordma_post_recv_one(self._h, wr_id, addr, length, lkey))
+        if rc < 0:
+            raise PostError(-rc, "ibv_post_recv", 0, 1)
+
+    def post_send_imm(self, wr_id: int, addr: int, length: int, lkey: int, imm_data: int, signaled: bool) -> None:
+        """Post one SEND_WITH_IMM (``imm_data`` in host order; ``length`` 0: no sge).
+
+        The data path's scalar fast path: the same work request as
+        ``post_send(SendWR(Opcode.SEND_WITH_IMM, ...))`` without building a
+        :class:`SendWR` or an array.  Raises :class:`PostError` (``posted`` 0)
+        if the device refused it.
+        """
+        if self._h is None:
+            self._ensure_open("ibv_post_send")
+        rc = int(_lib.aiordma_post_send_imm(self._h, wr_id, addr, length, lkey, imm_data,
+                                            _SIGNALED if signaled else 0))  # fmt: skip
+        if rc < 0:
+            raise PostError(-rc, "ibv_post_send", 0, 1)
+
     def post_send(self, wr: SendWR) -> None:
         self.post_send_batch((wr,))
 
@@ -1461,11 +1524,12 @@ class QueuePair(_Resource):
             s.rkey = w.rkey
             s.imm_data = w.imm_data or 0
             s.opcode = int(w.opcode)
+            # plain ints: IntFlag arithmetic costs a Python call per operator
             s.send_flags = (
-                (SendFlags.SIGNALED if w.signaled else 0)
-                | (SendFlags.INLINE if w.inline else 0)
-                | (SendFlags.SOLICITED if w.solicited else 0)
-                | (SendFlags.FENCE if w.fence else 0)
+                (_SIGNALED if w.signaled else 0)
+                | (_INLINE if w.inline else 0)
+                | (_SOLICITED if w.solicited else 0)
+                | (_FENCE if w.fence else 0)
             )
         rc = int(_lib.aiordma_post_send_batch(self._h, n, arr, self._posted))
         if rc < 0:

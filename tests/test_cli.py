@@ -154,13 +154,13 @@ def test_devices_ports_and_gids_are_read_from_sysfs(tmp_path: Path) -> None:
     (port,) = rxe.ports
     assert (port.port, port.state, port.link_layer) == (1, "4: ACTIVE", "Ethernet")
     assert [(g.index, g.gid, g.type, g.netdev) for g in port.gids] == [
-        (0, "fe80:0000:0000:0000:0250:56ff:fe00:0001", "IB/RoCE v1", None),
-        (1, "0000:0000:0000:0000:0000:ffff:7f00:0001", "RoCE v2", "eth0"),
+        (0, "fe80::250:56ff:fe00:1", "IB/RoCE v1", None),
+        (1, "::ffff:127.0.0.1", "RoCE v2", "eth0"),
     ]
     text = _cli.format_info(_cli.collect_info(str(tmp_path)))
     assert "  rxe0 (1: CA)" in text
     assert "    port 1: state 4: ACTIVE, link layer Ethernet" in text
-    assert "      gid[1] 0000:0000:0000:0000:0000:ffff:7f00:0001 (RoCE v2, netdev eth0)" in text
+    assert "      gid[1] ::ffff:127.0.0.1 (RoCE v2, netdev eth0)" in text
     assert _cli.ZERO_GID not in text
     assert "  mlx5_0\n    no ports" in text
 

@@ -673,24 +673,14 @@ def test_unsignaled_post_send_imm_is_completed_by_a_later_signaled_one(loop: Loo
 
 
 def test_scalar_fast_paths_report_errors(dev: Dev) -> None:
-    lp = make_loop(dev, max_send_wr=4)
-    try:
-        a, b = lp.a, lp.b
-        b.qp.post_recv_batch([b.mr.addr] * 32, [64] * 32, b.mr.lkey, list(range(32)))
-        posted = 0
-        with pytest.raises(v.PostError) as ei:
-            for i in range(a.qp.caps.max_send_wr + 8):  # more than the send queue holds
-                a.qp.post_send_imm(i, a.mr.addr, 8, a.mr.lkey, 0, True)
-                posted += 1
-        assert ei.value.errno == errno.ENOMEM and ei.value.call == "ibv_post_send"
-        assert (ei.value.posted, ei.value.total) == (0, 1) and 0 < posted <= 32
-        assert all(w.ok for w in wait_wcs(a.cq, posted))
-    finally:
-        lp.close()
-    with pytest.raises(RDMAError):
-        lp.a.qp.post_send_imm(1, 0, 0, 0, 0, True)  # closed
-    with pytest.raises(RDMAError):
-        lp.a.qp.post_recv_one(0, 0, 0, 1)
+    lp = make_loop(dev)
+    qp = lp.a.qp
+    lp.close()
+    with pytest.raises(RDMAError) as es:
+        qp.post_send_imm(1, 0, 0, 0, 0, True)  # closed
+    with pytest.raises(RDMAError) as er:
+        qp.post_recv_one(0, 0, 0, 1)
+    assert (es.value.call, er.value.call) == ("ibv_post_send", "ibv_post_recv")
 
 
 def test_wcarray_entries_match_the_accessors(loop: Loop) -> None:
