@@ -288,3 +288,38 @@ async def test_asyncio_streams_over_rdma(anyio_backend: Any, host: str) -> None:
                 assert await reader.read() == b""
                 writer.close()
                 await writer.wait_closed()
+
+
+async def test_tiny_window_exercises_credits_both_ways(anyio_backend: Any, host: str) -> None:
+    """Two data buffers of 4 KiB and one control buffer per side: frames span many SENDs,
+    credits run out all the time and come back in credit messages; nothing is lost."""
+    tiny = RdmaBackend(RdmaConfig(window=2, control=1, buffer_size=4096))
+    sizes = [0, 1, 4095, 4096, 4097, 50_000, 3, 200_000, 7]
+    async with no_fd_leak():
+        async with await aiordma.create_channel_listener(host, 0, transport="rdma", rdma_backend=tiny) as listener:
+
+            async def handler(channel: aiordma.Channel) -> None:
+                async with channel:
+                    async with anyio.create_task_group() as tg:
+
+                        async def talk_back() -> None:  # the server sends while it receives
+                            for size in reversed(sizes):
+                                await channel.send(bytes([size % 251]) * size)
+
+                        tg.start_soon(talk_back)
+                        got = [await channel.receive() for _ in sizes]
+                        assert got == [bytes([size % 251]) * size for size in sizes]
+                    await channel.send(b"all good")  # after talk_back: its messages come first
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, handler)
+                with anyio.fail_after(60):
+                    async with await aiordma.connect_channel(
+                        host, listener.port, transport="rdma", rdma_backend=tiny
+                    ) as channel:
+                        for size in sizes:
+                            await channel.send(bytes([size % 251]) * size)
+                        back = [await channel.receive() for _ in sizes]
+                        assert back == [bytes([size % 251]) * size for size in reversed(sizes)]
+                        assert await channel.receive() == b"all good"
+                tg.cancel_scope.cancel()
