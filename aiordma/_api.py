@@ -31,6 +31,7 @@ from ._errors import HandshakeError, RDMAUnavailableError
 from ._links import AsyncioLink, StreamLink
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
+from ._rdma import RdmaBackend
 
 __all__ = [
     "Stream",
@@ -64,7 +65,7 @@ class Options:
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     #: the RDMA backend (``aiordma.RdmaBackend``); None: the default one
-    backend: object | None = None
+    backend: RdmaBackend | None = None
 
     def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
         return Connection(
@@ -80,7 +81,7 @@ def make_options(
     handshake_timeout: float,
     *,
     server: bool,
-    backend: object | None = None,
+    backend: RdmaBackend | None = None,
 ) -> Options:
     choice = resolve_transport(transport)
     context: _ssl.SSLContext | None
@@ -237,7 +238,7 @@ async def accept_handshake(core: Core, opts: Options) -> bool:
 
 async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
     tls = opts.ssl is not None
-    local_offer(opts.transport, "client", tls=tls, backend=opts.backend)  # strict policy: fail before connecting
+    offer = local_offer(opts.transport, "client", tls=tls, backend=opts.backend)  # strict policy: fail before connecting
     link: Link
     if running_on_asyncio():
         loop = asyncio.get_running_loop()
@@ -258,7 +259,7 @@ async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
         link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
     core = link.core
     try:
-        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend)
+        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer)
     except BaseException:
         await _discard(core)
         raise
@@ -273,7 +274,7 @@ async def connect(
     ssl: _ssl.SSLContext | bool | None = None,
     server_hostname: str | None = None,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    rdma_backend: object | None = None,
+    rdma_backend: RdmaBackend | None = None,
 ) -> Stream:
     """Connect to an aiordma byte-stream listener; returns a :class:`Stream`.
 
@@ -303,7 +304,7 @@ async def connect_channel(
     server_hostname: str | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    rdma_backend: object | None = None,
+    rdma_backend: RdmaBackend | None = None,
 ) -> Channel:
     """Connect to an aiordma channel listener; returns a :class:`Channel`.
 
@@ -486,7 +487,7 @@ async def create_listener(
     ssl: _ssl.SSLContext | None = None,
     backlog: int = 100,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    rdma_backend: object | None = None,
+    rdma_backend: RdmaBackend | None = None,
 ) -> StreamListener:
     """Listen for aiordma byte streams on ``host``/``port`` (port 0: any free port).
 
@@ -508,7 +509,7 @@ async def create_channel_listener(
     backlog: int = 100,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    rdma_backend: object | None = None,
+    rdma_backend: RdmaBackend | None = None,
 ) -> ChannelListener:
     """Listen for aiordma message channels; see :func:`create_listener`."""
     opts = make_options(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -369,12 +368,3 @@ class StreamLink(Link):
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         return self.stream.extra_attributes
-
-
-def tune_socket(sock: socket.socket | None) -> None:
-    """TCP_NODELAY: our frames are whole writes; Nagle would only add latency."""
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # pragma: no cover
-            pass

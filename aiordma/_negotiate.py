@@ -32,6 +32,7 @@ import anyio
 from ._core import Core
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._protocol import CAP_RDMA, CloseCode, Event, HelloReceived, TransportSelected
+from ._rdma import RdmaBackend, RdmaEndpoint, RdmaLink, RdmaSetupError, local_ip_of
 
 __all__ = [
     "TransportChoice",
@@ -40,7 +41,6 @@ __all__ = [
     "local_offer",
     "client_handshake",
     "server_handshake",
-    "default_backend",
 ]
 
 TransportChoice = Literal["auto", "rdma", "tcp"]
@@ -61,13 +61,6 @@ def resolve_transport(transport: str | None) -> TransportChoice:
     raise ValueError(f"{source}{transport!r} is not one of 'auto', 'rdma', 'tcp'")
 
 
-def default_backend() -> object:
-    """The RDMA backend used when none is given (imported lazily: verbs are optional)."""
-    from ._rdma import RdmaBackend
-
-    return RdmaBackend()
-
-
 @dataclass(frozen=True)
 class LocalOffer:
     """Whether this side may offer RDMA, and why not."""
@@ -81,7 +74,7 @@ class LocalOffer:
 
 
 def local_offer(
-    choice: TransportChoice, side: str, *, tls: bool = False, backend: object | None = None
+    choice: TransportChoice, side: str, *, tls: bool = False, backend: RdmaBackend | None = None
 ) -> LocalOffer:
     """Decide what to offer; raises :class:`RDMAUnavailableError` for a strict policy that cannot be met."""
     if choice == "tcp":
@@ -91,10 +84,7 @@ def local_offer(
         if choice == "rdma":
             raise RDMAUnavailableError(reason)
         return LocalOffer(False, reason)
-    from ._rdma import RdmaBackend
-
-    rdma = backend if isinstance(backend, RdmaBackend) else RdmaBackend()
-    found = rdma.probe()
+    found = (backend or RdmaBackend()).probe()
     if not found.usable:
         reason = f"{side}: {found.reason}"
         if choice == "rdma":
@@ -134,30 +124,33 @@ async def _refuse(core: Core, reason: str) -> None:
     await core.link.aclose(core.proto.close(CloseCode.REFUSED, reason))
 
 
-def _open_endpoint(core: Core, backend: object | None, side: str) -> tuple[object | None, str]:
+def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[RdmaEndpoint | None, str]:
     """Prepare an RDMA endpoint behind the link's local address, or say why not."""
-    from ._rdma import RdmaBackend, RdmaSetupError, local_ip_of
-
-    rdma = backend if isinstance(backend, RdmaBackend) else RdmaBackend()
     try:
-        return rdma.open(local_ip_of(core.link)), ""
+        return (backend or RdmaBackend()).open(local_ip_of(core.link)), ""
     except RdmaSetupError as exc:
         return None, f"{side}: {exc}"
 
 
 async def client_handshake(
-    core: Core, choice: TransportChoice, *, tls: bool = False, backend: object | None = None
+    core: Core,
+    choice: TransportChoice,
+    *,
+    tls: bool = False,
+    backend: RdmaBackend | None = None,
+    offer: LocalOffer | None = None,
 ) -> None:
-    """Run the client's half of the handshake; on return the connection is open."""
-    from ._rdma import RdmaEndpoint, RdmaLink, RdmaSetupError
+    """Run the client's half of the handshake; on return the connection is open.
 
-    offer = local_offer(choice, "client", tls=tls, backend=backend)
+    ``offer`` is what :func:`local_offer` decided before connecting (computed here if not given).
+    """
+    if offer is None:
+        offer = local_offer(choice, "client", tls=tls, backend=backend)
     proto = core.proto
     endpoint: RdmaEndpoint | None = None
     reason = offer.reason
     if offer.rdma:
-        opened, reason = _open_endpoint(core, backend, "client")
-        endpoint = opened if isinstance(opened, RdmaEndpoint) else None
+        endpoint, reason = _open_endpoint(core, backend, "client")
     try:
         params = endpoint.params.encode() if endpoint is not None else None
         await core.link.send(
@@ -197,11 +190,9 @@ async def client_handshake(
 
 
 async def server_handshake(
-    core: Core, choice: TransportChoice, *, tls: bool = False, backend: object | None = None
+    core: Core, choice: TransportChoice, *, tls: bool = False, backend: RdmaBackend | None = None
 ) -> None:
     """Run the server's half of the handshake; on return the connection is open."""
-    from ._rdma import RdmaEndpoint, RdmaLink, RdmaSetupError
-
     proto = core.proto
     hello = (await _next_control(core, HelloReceived)).hello
     try:
@@ -214,8 +205,7 @@ async def server_handshake(
     if offer.rdma and not hello.can_rdma:
         reason = hello.no_rdma_reason or "client: offers no RDMA"
     elif offer.rdma:
-        opened, reason = _open_endpoint(core, backend, "server")
-        endpoint = opened if isinstance(opened, RdmaEndpoint) else None
+        endpoint, reason = _open_endpoint(core, backend, "server")
         if endpoint is not None:
             try:
                 endpoint.connect(hello.rdma_params)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import os
 import random
@@ -360,11 +359,6 @@ class RdmaEndpoint:
             n += self.recv_pool.stats().posted
         return n
 
-    def complete_flushed(self, count: int) -> None:
-        """Account for polled completions during teardown (any status)."""
-        for i in range(count):
-            self.account(self.wc.wr_id(i), self.wc.byte_len(i), self.wc.status(i))
-
     def account(self, wr_id: int, byte_len: int, status: int) -> Slot | None:
         """POSTED -> COMPLETED for the slot of a completion; None for slot-less requests."""
         if wr_id & SEND_TAG:
@@ -503,8 +497,9 @@ class RdmaLink(Link):
     # -- progress ------------------------------------------------------------------
 
     def _fail(self, exc: BaseException) -> None:
+        """The link is broken.  A broken credit accounting is the peer's protocol error."""
         self.failed = True
-        self.core.on_error(exc)
+        self.core.on_error(RemoteProtocolError(str(exc)) if isinstance(exc, CreditError) else exc)
 
     def _after_wake(self) -> None:
         """The epoll fd was readable: ack CQ events (the CQ is then disarmed), read the other fds.
@@ -546,7 +541,7 @@ class RdmaLink(Link):
             if self._backlog and not self.closed:
                 self._flush()
         except (RDMAError, CreditError) as exc:
-            self._fail(exc if isinstance(exc, RDMAError) else RemoteProtocolError(str(exc)))
+            self._fail(exc)
         if self.tcp_ended and not self.pending and self.core.peer_close is None and self.core.error is None:
             self.core.feed_eof()  # the peer went away without a CLOSE: an error, said by the protocol
         return total
@@ -818,8 +813,8 @@ class RdmaLink(Link):
     @property
     def transport(self) -> asyncio.BaseTransport | None:
         """The TCP transport of the control connection (asyncio), for ``get_extra_info``."""
-        transport = getattr(self.control, "transport", None)
-        return transport if transport is not None else None
+        transport: asyncio.BaseTransport | None = getattr(self.control, "transport", None)
+        return transport
 
     def close_nowait(self, final: bytes) -> None:
         """asyncio API: start the teardown (flushes what was written first) in a task."""
@@ -930,6 +925,3 @@ class RdmaLink(Link):
         attrs[TransportAttribute.qp_num] = lambda: qp_num
         return attrs
 
-
-def gid_text(gid: bytes) -> str:
-    return str(ipaddress.IPv6Address(gid))

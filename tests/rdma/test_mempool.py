@@ -16,19 +16,8 @@ pytestmark = pytest.mark.rdma
 if not v.native_available()[0]:
     pytest.skip(f"verbs unavailable: {v.native_available()[1]}", allow_module_level=True)
 
-from .test_native import Dev, Loop, _pick_device, make_loop, wait_wcs  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def dev() -> Dev:
-    return _pick_device()
-
-
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    v.assert_no_live_objects()
-    yield
-    v.assert_no_live_objects()
+# the fixtures dev (the device under test) and no_leaks (autouse) are test_native's
+from .test_native import Dev, Loop, dev, make_loop, no_leaks, wait_wcs  # noqa: E402,F401
 
 
 @pytest.fixture
