@@ -3,8 +3,8 @@
 All metadata lives in pyproject.toml; this file only decides whether to build
 the cffi extension ``aiordma._verbs_cffi`` (``_native/build_verbs.py``).
 
-It is built when the libibverbs and librdmacm development headers are
-available (Debian/Ubuntu: ``apt install libibverbs-dev librdmacm-dev``;
+It is built when the libibverbs development headers are
+available (Debian/Ubuntu: ``apt install libibverbs-dev``;
 Fedora/RHEL: ``dnf install rdma-core-devel``).  Without them the install still
 succeeds; the module is then simply absent and aiordma uses TCP
 (``aiordma._verbs.native_available()`` says why).
@@ -25,7 +25,7 @@ import sysconfig
 
 from setuptools import setup
 
-HEADERS = ("infiniband/verbs.h", "rdma/rdma_cma.h")
+HEADERS = ("infiniband/verbs.h",)
 
 
 def _truthy(name: str) -> bool:
@@ -66,7 +66,7 @@ def _cffi_modules() -> list[str]:
     ok, why = _headers_present()
     if not ok:
         msg = (
-            "aiordma: libibverbs/librdmacm headers not found "
+            "aiordma: libibverbs headers not found "
             f"({why}); installing without the native verbs module (TCP only)"
         )
         if _truthy("AIORDMA_REQUIRE_NATIVE"):

@@ -26,7 +26,6 @@
 
 #include <stdint.h>
 #include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
 
 /* One work completion, flattened (no unions).  imm_data is host order and only
  * meaningful when (wc_flags & IBV_WC_WITH_IMM). */

@@ -1,8 +1,8 @@
 """cffi (API mode, out-of-line) build script for ``aiordma._verbs_cffi``.
 
 Used by ``setup.py`` through ``cffi_modules=["_native/build_verbs.py:ffibuilder"]``
-only when the libibverbs/librdmacm headers are installed (Debian/Ubuntu:
-``libibverbs-dev librdmacm-dev``; Fedora: ``rdma-core-devel``).  It can also be
+only when the libibverbs headers are installed (Debian/Ubuntu:
+``libibverbs-dev``; Fedora: ``rdma-core-devel``).  It can also be
 run by hand: ``python _native/build_verbs.py`` builds the extension into the
 current directory.
 
@@ -38,7 +38,6 @@ struct ibv_cq { int cqe; ...; };
 struct ibv_qp;
 struct ibv_comp_channel;
 struct ibv_mr { void *addr; size_t length; uint32_t handle; uint32_t lkey; uint32_t rkey; ...; };
-struct rdma_event_channel { int fd; ...; };
 
 /* ---- constants (values taken from the real headers at build time) ------ */
 #define IBV_ACCESS_LOCAL_WRITE ...
@@ -75,7 +74,7 @@ struct rdma_event_channel { int fd; ...; };
 #define IBV_EVENT_COMM_EST ...
 #define IBV_EVENT_QP_LAST_WQE_REACHED ...
 
-/* ---- plain libibverbs / librdmacm functions ---------------------------- */
+/* ---- plain libibverbs functions ---------------------------------------- */
 struct ibv_device **ibv_get_device_list(int *num_devices);
 void ibv_free_device_list(struct ibv_device **list);
 const char *ibv_get_device_name(struct ibv_device *device);
@@ -95,8 +94,6 @@ const char *ibv_wc_status_str(int status);
 const char *ibv_event_type_str(int event);
 const char *ibv_port_state_str(int port_state);
 const char *ibv_node_type_str(int node_type);
-struct rdma_event_channel *rdma_create_event_channel(void);
-void rdma_destroy_event_channel(struct rdma_event_channel *channel);
 
 /* ---- aiordma helpers (aiordma_verbs.h) --------------------------------- */
 struct aiordma_wc {
@@ -197,11 +194,10 @@ _rel = os.path.relpath(HERE) if os.getcwd() == os.path.dirname(HERE) else HERE
 ffibuilder.set_source(
     "aiordma._verbs_cffi",
     '#include <infiniband/verbs.h>\n'
-    '#include <rdma/rdma_cma.h>\n'
     '#include "aiordma_verbs.h"\n',
     sources=[os.path.join(_rel, "aiordma_verbs.c")],
     include_dirs=[_rel],
-    libraries=["ibverbs", "rdmacm"],
+    libraries=["ibverbs"],
     extra_compile_args=["-O2", "-Wall", "-std=gnu11"],
 )
 

@@ -29,7 +29,7 @@ from ._api import (
     create_listener,
 )
 from ._attributes import TransportAttribute
-from ._rdma import RdmaBackend, RdmaConfig
+from ._rdma.config import RdmaBackend, RdmaConfig
 from ._errors import (
     AiordmaError,
     HandshakeError,

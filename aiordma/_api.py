@@ -31,7 +31,7 @@ from ._errors import HandshakeError, RDMAUnavailableError
 from ._links import AsyncioLink, StreamLink
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
-from ._rdma import RdmaBackend
+from ._rdma.config import RdmaBackend
 
 __all__ = [
     "Stream",

@@ -164,7 +164,7 @@ def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
     """Everything ``aiordma info`` prints, as a JSON-ready dict."""
     from . import __version__
     from ._negotiate import resolve_transport
-    from ._rdma_probe import probe
+    from ._rdma.discovery import probe
 
     try:
         found = probe()
@@ -488,7 +488,7 @@ async def _measure_message_rate(channel: Channel, count: int) -> float:
 def demo_host() -> str:
     """Where the demo listens: an address an RDMA device serves when this host
     can do RDMA (RDMA needs the device behind the address), else loopback."""
-    from ._rdma_probe import probe
+    from ._rdma.discovery import probe
 
     if probe().usable:
         from .testing import rdma_address

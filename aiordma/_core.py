@@ -45,6 +45,7 @@ from typing import Any
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
 from ._errors import HandshakeError, LocalProtocolError, ProtocolError
+from ._io import IOBackend, Watch
 from ._protocol import (
     Chunk,
     CloseCode,
@@ -92,6 +93,13 @@ class Link(abc.ABC):
     @property
     @abc.abstractmethod
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]: ...
+
+    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
+        """Another link (RDMA) takes the Core over; this one only watches for the
+        connection's end: ``on_lost()`` is called when it ends or carries any
+        byte.  Returns the watch to close (``None`` when the link reports
+        through its own callbacks)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand its connection over")
 
 
 class Core:

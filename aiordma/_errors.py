@@ -124,3 +124,12 @@ class RDMAError(AiordmaError, OSError):
         self.call = call
         self.wc_status = wc_status
         self.detail = detail
+
+
+class PostError(RDMAError):
+    """``ibv_post_send``/``ibv_post_recv`` rejected a batch; ``posted`` were accepted before it."""
+
+    def __init__(self, err: int, call: str, posted: int, total: int) -> None:
+        super().__init__(err, call, f"posted {posted} of {total} work requests")
+        self.posted = posted
+        self.total = total

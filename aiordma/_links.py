@@ -26,6 +26,7 @@ from anyio.abc import ByteStream, SocketAttribute
 
 from ._core import RECEIVE_HIGH_WATER, Core, Link
 from ._errors import HandshakeError, ProtocolError
+from ._io import IOBackend, Watch
 from ._protocol import Chunk, CloseCode, Connection
 
 __all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT"]
@@ -55,6 +56,10 @@ def _socket_attributes(get: Callable[[str], Any]) -> dict[Any, Callable[[], Any]
         if isinstance(peername, tuple):
             attrs[SocketAttribute.remote_port] = lambda: peername[1]
     return attrs
+
+
+def _ignore() -> None:
+    pass
 
 
 class AsyncioLink(asyncio.BufferedProtocol, Link):
@@ -90,6 +95,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._closed_future: asyncio.Future[None] = loop.create_future()
         self._create_future = loop.create_future
         self._proto = proto
+        self._on_lost: Callable[[], None] | None = None  # set once another link took the Core over
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -107,6 +113,9 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         return self._proto.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._on_lost is not None:  # handed over: any byte here means the peer is leaving
+            self._lost_after_hand_over()
+            return
         core = self.core
         try:
             events = self._proto.buffer_updated(nbytes)
@@ -129,12 +138,20 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 self._wake_more()
 
     def eof_received(self) -> bool:
+        if self._on_lost is not None:
+            self._lost_after_hand_over()
+            return False
         self.core.feed_eof()
         self._wake()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._on_lost is not None:
+            self._lost_after_hand_over()
+            if not self._closed_future.done():
+                self._closed_future.set_result(None)
+            return
         core = self.core
         if not core.closed and core.error is None and core.peer_close is None:
             core.feed_eof(exc)
@@ -156,6 +173,15 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 fut.set_result(None)
 
     # -- internals -----------------------------------------------------------
+
+    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
+        self._on_lost = on_lost
+        return None
+
+    def _lost_after_hand_over(self) -> None:
+        on_lost, self._on_lost = self._on_lost, _ignore
+        if on_lost is not None:
+            on_lost()
 
     def _wake(self) -> None:
         fut = self._waiter
@@ -364,6 +390,14 @@ class StreamLink(Link):
                     log.debug("closing the stream failed: %r", exc)
             if not closed:
                 await anyio.aclose_forcefully(self.stream)
+
+    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
+        """Watch the raw socket: nothing reads the stream any more; readable means EOF or stray bytes."""
+        attrs: Mapping[Any, Callable[[], Any]] = self.stream.extra_attributes
+        get_sock = attrs.get(SocketAttribute.raw_socket)
+        if get_sock is None:
+            raise NotImplementedError("this stream has no socket to watch for liveness")
+        return io.watch(int(get_sock().fileno()), on_lost)
 
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:

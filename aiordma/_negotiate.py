@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import anyio
 
 from ._core import Core
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._protocol import CAP_RDMA, CloseCode, Event, HelloReceived, TransportSelected
-from ._rdma import RdmaBackend, RdmaEndpoint, RdmaLink, RdmaSetupError, local_ip_of
+from ._rdma.config import RdmaBackend, RdmaSetupError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._rdma.link import RdmaLink
 
 __all__ = [
     "TransportChoice",
@@ -124,12 +127,20 @@ async def _refuse(core: Core, reason: str) -> None:
     await core.link.aclose(core.proto.close(CloseCode.REFUSED, reason))
 
 
-def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[RdmaEndpoint | None, str]:
-    """Prepare an RDMA endpoint behind the link's local address, or say why not."""
+def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[RdmaLink | None, str]:
+    """Prepare an RDMA link behind the TCP link's local address, or say why not."""
+    from ._rdma.link import RdmaLink, local_ip_of  # the native module loads only when RDMA is offered
+
     try:
-        return (backend or RdmaBackend()).open(local_ip_of(core.link)), ""
+        return RdmaLink.prepare(backend or RdmaBackend(), local_ip_of(core.link)), ""
     except RdmaSetupError as exc:
         return None, f"{side}: {exc}"
+
+
+def _peer_ip(core: Core) -> str | None:
+    from ._rdma.link import peer_ip_of
+
+    return peer_ip_of(core.link)
 
 
 async def client_handshake(
@@ -147,7 +158,7 @@ async def client_handshake(
     if offer is None:
         offer = local_offer(choice, "client", tls=tls, backend=backend)
     proto = core.proto
-    endpoint: RdmaEndpoint | None = None
+    endpoint: RdmaLink | None = None
     reason = offer.reason
     if offer.rdma:
         endpoint, reason = _open_endpoint(core, backend, "client")
@@ -165,13 +176,13 @@ async def client_handshake(
             reason = hello.no_rdma_reason or "server: offers no RDMA"
         elif endpoint is not None:
             try:
-                endpoint.connect(hello.rdma_params)
-                await endpoint.probe_path()
+                endpoint.connect(hello.rdma_params, _peer_ip(core))
+                await endpoint.probe()
             except RdmaSetupError as exc:
                 reason = f"client: {exc}"
         if reason:
             if endpoint is not None:
-                await endpoint.aclose()
+                await endpoint.discard()
                 endpoint = None
             if choice == "rdma":
                 await _refuse(core, reason)
@@ -182,11 +193,11 @@ async def client_handshake(
             return
         assert endpoint is not None
         await core.link.send([proto.select("rdma", "")])
-        RdmaLink(endpoint, core.link, core)
-        endpoint = None  # owned by the link now
+        endpoint.activate(core, core.link)
+        endpoint = None  # owned by the Core now
     finally:
         if endpoint is not None:
-            await endpoint.aclose()
+            await endpoint.discard()
 
 
 async def server_handshake(
@@ -200,7 +211,7 @@ async def server_handshake(
     except RDMAUnavailableError as exc:
         await _refuse(core, f"server requires RDMA: {exc.reason}")
         raise
-    endpoint: RdmaEndpoint | None = None
+    endpoint: RdmaLink | None = None
     reason = offer.reason
     if offer.rdma and not hello.can_rdma:
         reason = hello.no_rdma_reason or "client: offers no RDMA"
@@ -208,10 +219,10 @@ async def server_handshake(
         endpoint, reason = _open_endpoint(core, backend, "server")
         if endpoint is not None:
             try:
-                endpoint.connect(hello.rdma_params)
+                endpoint.connect(hello.rdma_params, _peer_ip(core))
             except RdmaSetupError as exc:
                 reason = f"server: {exc}"
-                await endpoint.aclose()
+                await endpoint.discard()
                 endpoint = None
     try:
         if choice == "rdma" and endpoint is None:
@@ -229,11 +240,11 @@ async def server_handshake(
         selected = await _next_control(core, TransportSelected)
         if selected.transport == "rdma":
             assert endpoint is not None  # the protocol checked that both offered it
-            RdmaLink(endpoint, core.link, core)
+            endpoint.activate(core, core.link)
             endpoint = None
         else:
             core.transport = "tcp"
             core.fallback_reason = selected.reason
     finally:
         if endpoint is not None:
-            await endpoint.aclose()
+            await endpoint.discard()

@@ -262,7 +262,7 @@ async def test_handler_exception_is_reported_and_connection_closed(anyio_backend
 
 
 async def test_strict_rdma_and_bad_arguments(anyio_backend: Any) -> None:
-    from aiordma._rdma_probe import probe
+    from aiordma._rdma.discovery import probe
 
     if not probe().usable:
         with pytest.raises(aiordma.RDMAUnavailableError):

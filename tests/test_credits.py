@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiordma._credits import CreditError, Credits, SendKind, pack_imm, unpack_imm
+from aiordma._rdma.credits import CreditError, Credits, SendKind, pack_imm, unpack_imm
 
 
 @dataclass

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma._errors import RDMAError
-from aiordma._mempool import (
+from aiordma._rdma.mempool import (
     MemlockLimitError,
     MemoryPool,
     PoolExhaustedError,

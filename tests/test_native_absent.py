@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from aiordma import _verbs as v
+from aiordma._rdma import discovery as d
+from aiordma._rdma import verbs as v
 from aiordma._errors import RDMAError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,8 @@ def test_not_built_reason_and_errors() -> None:
     proc = run_py(
         HIDE_NATIVE.format(exc="ModuleNotFoundError")
         + """
-from aiordma import _verbs as v
+from aiordma._rdma import discovery as d
+from aiordma._rdma import verbs as v
 from aiordma._errors import RDMAUnavailableError
 ok, why = v.native_available()
 assert (ok, why) == (False, v.NOT_BUILT_REASON), why
@@ -63,7 +65,7 @@ for make in (lambda: v.Context(), lambda: v.WCArray(4)):
         assert v.NOT_BUILT_REASON in exc.reason, exc.reason
     else:
         raise AssertionError("no error")
-assert isinstance(v.list_devices(), list)
+assert isinstance(d.list_devices(), list)
 assert v.live_objects() == dict.fromkeys(v._LIVE_KEYS, 0)
 print("ok")
 """
@@ -76,7 +78,7 @@ def test_load_failure_reason() -> None:
     proc = run_py(
         HIDE_NATIVE.format(exc="ImportError")
         + """
-from aiordma import _verbs as v
+from aiordma._rdma import verbs as v
 ok, why = v.native_available()
 assert not ok and why.startswith("native module cannot be loaded: "), why
 print("ok")
@@ -99,8 +101,8 @@ def test_no_device_reason_on_this_host() -> None:
         with pytest.raises(RDMAError) as ei:
             v.Context()
         assert ei.value.call == "ibv_get_device_list"
-    assert v.list_devices() == []
-    assert v.gid_for_ip("198.18.0.1") is None
+    assert d.list_devices() == []
+    assert d.gid_for_ip("198.18.0.1") is None
     v.assert_no_live_objects()
 
 
@@ -134,7 +136,7 @@ def _fake_sysfs(root: Path) -> None:
 
 def test_list_devices_from_sysfs(tmp_path: Path) -> None:
     _fake_sysfs(tmp_path)
-    devs = v.list_devices(sysfs_root=str(tmp_path))
+    devs = d.list_devices(sysfs_root=str(tmp_path))
     assert [d.name for d in devs] == ["rxe0", "rxe1"]
     port = devs[0].ports[0]
     assert (port.port, port.state, port.link_layer, port.active_mtu) == (1, "ACTIVE", "Ethernet", None)
@@ -151,12 +153,12 @@ def test_list_devices_from_sysfs(tmp_path: Path) -> None:
 
 def test_gid_for_ip_prefers_active_ports_and_type(tmp_path: Path) -> None:
     _fake_sysfs(tmp_path)
-    g = v.gid_for_ip("198.18.0.1", sysfs_root=str(tmp_path))
+    g = d.gid_for_ip("198.18.0.1", sysfs_root=str(tmp_path))
     assert g is not None and (g.device, g.port, g.index) == ("rxe0", 1, 1)
-    g1 = v.gid_for_ip(ipaddress.IPv4Address("198.18.0.1"), gid_type="RoCEv1", sysfs_root=str(tmp_path))
+    g1 = d.gid_for_ip(ipaddress.IPv4Address("198.18.0.1"), gid_type="RoCEv1", sysfs_root=str(tmp_path))
     assert g1 is not None and g1.index == 2
-    assert v.gid_for_ip("fe80::24:13ff:fec5:518f", sysfs_root=str(tmp_path)) is not None
-    assert v.gid_for_ip("198.18.0.2", sysfs_root=str(tmp_path)) is None
+    assert d.gid_for_ip("fe80::24:13ff:fec5:518f", sysfs_root=str(tmp_path)) is not None
+    assert d.gid_for_ip("198.18.0.2", sysfs_root=str(tmp_path)) is None
 
 
 def test_names_and_gid_conversion() -> None:
@@ -217,3 +219,19 @@ def test_setup_py_without_headers(tmp_path: Path) -> None:
     assert "headers not found" in proc.stderr and "TCP only" in proc.stderr
     proc = _setup_py({**env, "AIORDMA_REQUIRE_NATIVE": "1"})
     assert proc.returncode != 0 and "AIORDMA_REQUIRE_NATIVE" in proc.stderr
+
+
+def test_import_aiordma_maps_no_libibverbs() -> None:
+    """A TCP-only process never loads the native module (it loads when RDMA is first needed)."""
+    proc = run_py(
+        """
+import sys
+import aiordma
+import aiordma.asyncio, aiordma.testing
+print(sorted(m for m in sys.modules if m.startswith("aiordma._verbs") or m == "aiordma._rdma.verbs"))
+with open("/proc/self/maps") as f:
+    print("libibverbs" in f.read())
+"""
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "False"], proc.stdout

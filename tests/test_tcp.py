@@ -208,7 +208,7 @@ async def test_connection_refused_is_an_oserror(anyio_backend: Any) -> None:
 
 async def test_auto_falls_back_with_the_reason(anyio_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIORDMA_TRANSPORT", raising=False)
-    from aiordma._rdma_probe import probe
+    from aiordma._rdma.discovery import probe
 
     if probe().usable:
         pytest.skip("this host has a usable RDMA device")
@@ -229,7 +229,7 @@ async def test_auto_falls_back_with_the_reason(anyio_backend: Any, monkeypatch: 
 
 
 async def test_strict_rdma_raises_on_this_host(anyio_backend: Any) -> None:
-    from aiordma._rdma_probe import probe
+    from aiordma._rdma.discovery import probe
 
     if probe().usable:
         pytest.skip("this host has a usable RDMA device")

@@ -80,7 +80,7 @@ async def _memory_cores(mode: Mode, max_message_size: int) -> tuple[Core, Core]:
 
 def rdma_address() -> str | None:
     """A local IPv4 address that an RDMA device serves (RoCEv2 GID), or None."""
-    from .._verbs import list_devices
+    from .._rdma.discovery import list_devices
 
     for device in list_devices(query_verbs=False):
         for port in device.ports:

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from aiordma import _verbs as v
-from aiordma._mempool import MemoryPool, Slot, SlotState, SlotStateError, pd_registrar
+from aiordma._rdma import verbs as v
+from aiordma._rdma.mempool import MemoryPool, Slot, SlotState, SlotStateError, pd_registrar
 
 pytestmark = pytest.mark.rdma
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from aiordma import _verbs as v
+from aiordma._rdma import verbs as v
 from aiordma._errors import RDMAError
 
 pytestmark = pytest.mark.rdma

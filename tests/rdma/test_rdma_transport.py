@@ -19,7 +19,7 @@ from anyio import BrokenResourceError
 
 import aiordma
 from aiordma import RdmaBackend, RdmaConfig, TransportAttribute
-from aiordma import _verbs as verbs
+from aiordma._rdma import verbs as verbs
 from aiordma._rdma import RdmaEndpoint, RdmaSetupError
 from aiordma.testing import rdma_address
 

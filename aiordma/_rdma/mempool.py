@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
-from ._errors import AiordmaError, RDMAError
+from .._errors import AiordmaError, RDMAError
 
 __all__ = [
     "MemlockLimitError",
@@ -124,9 +124,11 @@ Registrar = Callable[[int], Region]
 
 def pd_registrar(pd: Any, access: int | None = None) -> Registrar:
     """A registrar that allocates and registers regions on a verbs ProtectionDomain."""
-    from . import _verbs
+    from . import verbs as _verbs
 
-    acc = _verbs.DEFAULT_MR_ACCESS if access is None else access
+    from .constants import DEFAULT_MR_ACCESS
+
+    acc = DEFAULT_MR_ACCESS if access is None else access
 
     def register(length: int) -> Region:
         mr: Region = _verbs.MemoryRegion(pd, length, acc)

@@ -47,7 +47,36 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self
 
-from ._errors import RDMAError, RDMAUnavailableError
+from .._errors import PostError, RDMAError, RDMAUnavailableError
+from .constants import (
+    DEFAULT_MR_ACCESS,
+    DEFAULT_QP_ACCESS,
+    ENUM_TO_MTU,
+    EVENT_NAMES,
+    FENCE as _FENCE,
+    INLINE as _INLINE,
+    LINK_LAYERS as _LINK_LAYERS,
+    MTU_TO_ENUM,
+    PORT_STATE_NAMES,
+    SIGNALED as _SIGNALED,
+    SOLICITED as _SOLICITED,
+    WC_WITH_IMM as _WC_WITH_IMM,
+    Access,
+    AsyncEvent,
+    DeviceAttr,
+    GidEntry,
+    PortAttr,
+    Opcode,
+    QPCaps,
+    QPState,
+    SendFlags,
+    SendWR,
+    WCOpcode,
+    WCStatus,
+    event_type_name,
+    gid_bytes as _gid_bytes,
+    wc_status_name,
+)
 
 __all__ = [
     "Access",
@@ -56,12 +85,10 @@ __all__ = [
     "CompletionQueue",
     "Context",
     "DeviceAttr",
-    "DeviceInfo",
     "GidEntry",
     "MemoryRegion",
     "Opcode",
     "PortAttr",
-    "PortInfo",
     "PostError",
     "ProtectionDomain",
     "QPCaps",
@@ -74,8 +101,6 @@ __all__ = [
     "WCStatus",
     "WorkCompletion",
     "assert_no_live_objects",
-    "gid_for_ip",
-    "list_devices",
     "live_objects",
     "native_available",
 ]
@@ -84,6 +109,7 @@ __all__ = [
 # The native module (optional)
 # --------------------------------------------------------------------------
 
+SYSFS_IB: Final = "/sys/class/infiniband"
 NOT_BUILT_REASON: Final = "native module not built (no libibverbs headers at install time)"
 
 _ffi: Any
@@ -103,7 +129,6 @@ else:
     _ffi, _lib = _mod.ffi, _mod.lib
     _IMPORT_REASON = ""
 
-SYSFS_IB: Final = "/sys/class/infiniband"
 
 
 def native_available() -> tuple[bool, str]:
@@ -173,143 +198,6 @@ def assert_no_live_objects() -> None:
 # --------------------------------------------------------------------------
 
 
-class Access(enum.IntFlag):
-    """``ibv_access_flags`` for memory regions and QP access."""
-
-    LOCAL_WRITE = 1
-    REMOTE_WRITE = 2
-    REMOTE_READ = 4
-    REMOTE_ATOMIC = 8
-
-
-DEFAULT_MR_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
-DEFAULT_QP_ACCESS: Final = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
-
-
-class SendFlags(enum.IntFlag):
-    FENCE = 1
-    SIGNALED = 2
-    SOLICITED = 4
-    INLINE = 8
-
-
-# the same values as plain ints, for the posting loops
-_FENCE: Final = 1
-_SIGNALED: Final = 2
-_SOLICITED: Final = 4
-_INLINE: Final = 8
-
-
-class Opcode(enum.IntEnum):
-    """Send work request opcodes (``ibv_wr_opcode``) supported by the batch poster."""
-
-    RDMA_WRITE = 0
-    RDMA_WRITE_WITH_IMM = 1
-    SEND = 2
-    SEND_WITH_IMM = 3
-    RDMA_READ = 4
-
-
-class WCOpcode(enum.IntEnum):
-    """``ibv_wc_opcode`` (what a completion completed)."""
-
-    SEND = 0
-    RDMA_WRITE = 1
-    RDMA_READ = 2
-    COMP_SWAP = 3
-    FETCH_ADD = 4
-    BIND_MW = 5
-    LOCAL_INV = 6
-    TSO = 7
-    ATOMIC_WRITE = 9
-    RECV = 128
-    RECV_RDMA_WITH_IMM = 129
-
-
-class WCStatus(enum.IntEnum):
-    """``ibv_wc_status``."""
-
-    SUCCESS = 0
-    LOC_LEN_ERR = 1
-    LOC_QP_OP_ERR = 2
-    LOC_EEC_OP_ERR = 3
-    LOC_PROT_ERR = 4
-    WR_FLUSH_ERR = 5
-    MW_BIND_ERR = 6
-    BAD_RESP_ERR = 7
-    LOC_ACCESS_ERR = 8
-    REM_INV_REQ_ERR = 9
-    REM_ACCESS_ERR = 10
-    REM_OP_ERR = 11
-    RETRY_EXC_ERR = 12
-    RNR_RETRY_EXC_ERR = 13
-    LOC_RDD_VIOL_ERR = 14
-    REM_INV_RD_REQ_ERR = 15
-    REM_ABORT_ERR = 16
-    INV_EECN_ERR = 17
-    INV_EEC_STATE_ERR = 18
-    FATAL_ERR = 19
-    RESP_TIMEOUT_ERR = 20
-    GENERAL_ERR = 21
-    TM_ERR = 22
-    TM_RNDV_INCOMPLETE = 23
-
-
-class QPState(enum.IntEnum):
-    RESET = 0
-    INIT = 1
-    RTR = 2
-    RTS = 3
-    SQD = 4
-    SQE = 5
-    ERR = 6
-    UNKNOWN = 7
-
-
-EVENT_NAMES: Final = (
-    "IBV_EVENT_CQ_ERR",
-    "IBV_EVENT_QP_FATAL",
-    "IBV_EVENT_QP_REQ_ERR",
-    "IBV_EVENT_QP_ACCESS_ERR",
-    "IBV_EVENT_COMM_EST",
-    "IBV_EVENT_SQ_DRAINED",
-    "IBV_EVENT_PATH_MIG",
-    "IBV_EVENT_PATH_MIG_ERR",
-    "IBV_EVENT_DEVICE_FATAL",
-    "IBV_EVENT_PORT_ACTIVE",
-    "IBV_EVENT_PORT_ERR",
-    "IBV_EVENT_LID_CHANGE",
-    "IBV_EVENT_PKEY_CHANGE",
-    "IBV_EVENT_SM_CHANGE",
-    "IBV_EVENT_SRQ_ERR",
-    "IBV_EVENT_SRQ_LIMIT_REACHED",
-    "IBV_EVENT_QP_LAST_WQE_REACHED",
-    "IBV_EVENT_CLIENT_REREGISTER",
-    "IBV_EVENT_GID_CHANGE",
-    "IBV_EVENT_WQ_FATAL",
-)
-
-PORT_STATE_NAMES: Final = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
-_MTU_TO_ENUM: Final = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
-_ENUM_TO_MTU: Final = {v: k for k, v in _MTU_TO_ENUM.items()}
-_LINK_LAYERS: Final = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
-_WC_WITH_IMM: Final = 2
-
-
-def wc_status_name(status: int) -> str:
-    """``IBV_WC_RNR_RETRY_EXC_ERR`` style name of a completion status."""
-    try:
-        return "IBV_WC_" + WCStatus(status).name
-    except ValueError:
-        return f"IBV_WC_STATUS_{status}"
-
-
-def event_type_name(event_type: int) -> str:
-    if 0 <= event_type < len(EVENT_NAMES):
-        return EVENT_NAMES[event_type]
-    return f"IBV_EVENT_{event_type}"
-
-
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
@@ -330,179 +218,11 @@ def _check(rc: int, call: str, detail: str = "") -> int:
     return rc
 
 
-def _gid_bytes(gid: str | bytes | ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
-    """A 16-byte GID from an IPv6/GID string, an IPv4 address (mapped) or bytes."""
-    if isinstance(gid, bytes):
-        if len(gid) != 16:
-            raise ValueError(f"a GID is 16 bytes, got {len(gid)}")
-        return gid
-    addr = ipaddress.ip_address(gid) if isinstance(gid, str) else gid
-    if isinstance(addr, ipaddress.IPv4Address):
-        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
-    return addr.packed
-
-
 def _mtu_enum(path_mtu: int) -> int:
     try:
-        return _MTU_TO_ENUM[path_mtu]
+        return MTU_TO_ENUM[path_mtu]
     except KeyError:
-        raise ValueError(f"path_mtu must be one of {sorted(_MTU_TO_ENUM)} (bytes), got {path_mtu}") from None
-
-
-# --------------------------------------------------------------------------
-# Device discovery (sysfs)
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GidEntry:
-    """One non-empty GID table entry.
-
-    ``gid_type`` is ``"RoCEv2"``, ``"RoCEv1"`` or ``"IB"``; ``netdev`` the
-    network interface the GID belongs to (RoCE), ``ip`` the address the GID
-    encodes (an IPv4 address for ``::ffff:a.b.c.d`` GIDs).
-    """
-
-    device: str
-    port: int
-    index: int
-    gid: ipaddress.IPv6Address
-    gid_type: str
-    netdev: str | None
-
-    @property
-    def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-        mapped = self.gid.ipv4_mapped
-        return mapped if mapped is not None else self.gid
-
-
-@dataclass(frozen=True, slots=True)
-class PortInfo:
-    port: int
-    state: str  # "ACTIVE", "DOWN", ...
-    link_layer: str  # "Ethernet" (RoCE) or "InfiniBand"
-    active_mtu: int | None  # bytes; None when verbs could not be asked
-    max_mtu: int | None
-    gids: tuple[GidEntry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceInfo:
-    name: str
-    node_guid: str
-    ports: tuple[PortInfo, ...]
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _gid_type(raw: str | None, link_layer: str) -> str:
-    if raw is None:
-        return "IB" if link_layer == "InfiniBand" else "RoCEv1"
-    if "v2" in raw:
-        return "RoCEv2"
-    return "IB" if link_layer == "InfiniBand" else "RoCEv1"
-
-
-def _read_gids(sysfs_root: str, dev: str, port: int, link_layer: str) -> tuple[GidEntry, ...]:
-    base = os.path.join(sysfs_root, dev, "ports", str(port))
-    try:
-        names = os.listdir(os.path.join(base, "gids"))
-    except OSError:
-        return ()
-    out = []
-    for name in sorted(names, key=lambda s: int(s) if s.isdigit() else -1):
-        if not name.isdigit():
-            continue
-        raw = _read(os.path.join(base, "gids", name))
-        if not raw:
-            continue
-        try:
-            gid = ipaddress.IPv6Address(raw)
-        except ValueError:
-            continue
-        if gid.packed == bytes(16):
-            continue
-        gtype = _gid_type(_read(os.path.join(base, "gid_attrs", "types", name)), link_layer)
-        ndev = _read(os.path.join(base, "gid_attrs", "ndevs", name)) or None
-        out.append(GidEntry(dev, port, int(name), gid, gtype, ndev))
-    return tuple(out)
-
-
-def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> list[DeviceInfo]:
-    """RDMA devices, their ports (state, link layer, MTU) and GID tables.
-
-    Reads ``/sys/class/infiniband/<dev>/ports/<p>/{state,link_layer,gids,
-    gid_attrs/types,gid_attrs/ndevs}``.  With ``query_verbs`` and the native
-    module present, each device is opened briefly to ask the active and max
-    MTU (sysfs does not publish them; otherwise they are ``None``) and the
-    GID table in one ``ibv_query_gid_table`` call, which is much faster than
-    walking the (mostly empty) sysfs table.  No device (or no RDMA in the
-    kernel) gives an empty list.
-    """
-    try:
-        devs = sorted(os.listdir(sysfs_root))
-    except OSError:
-        return []
-    result = []
-    for dev in devs:
-        mtus: dict[int, tuple[int | None, int | None]] = {}
-        verbs_gids: list[GidEntry] | None = None
-        if query_verbs and _lib is not None and sysfs_root == SYSFS_IB:
-            try:
-                with Context(dev) as ctx:
-                    for p in range(1, ctx.query_device().phys_port_cnt + 1):
-                        pa = ctx.query_port(p)
-                        mtus[p] = (pa.active_mtu, pa.max_mtu)
-                    verbs_gids = ctx.query_gid_table()
-            except (RDMAError, RDMAUnavailableError, LookupError):
-                pass
-        ports = []
-        try:
-            port_names = sorted(int(p) for p in os.listdir(os.path.join(sysfs_root, dev, "ports")) if p.isdigit())
-        except OSError:
-            port_names = []
-        for p in port_names:
-            base = os.path.join(sysfs_root, dev, "ports", str(p))
-            state_raw = _read(os.path.join(base, "state")) or ""
-            state = state_raw.split(":", 1)[-1].strip() or "UNKNOWN"
-            link_layer = _read(os.path.join(base, "link_layer")) or "Unspecified"
-            active, maxm = mtus.get(p, (None, None))
-            if verbs_gids is not None:
-                gids = tuple(g for g in verbs_gids if g.port == p)
-            else:
-                gids = _read_gids(sysfs_root, dev, p, link_layer)
-            ports.append(PortInfo(p, state, link_layer, active, maxm, gids))
-        result.append(DeviceInfo(dev, _read(os.path.join(sysfs_root, dev, "node_guid")) or "", tuple(ports)))
-    return result
-
-
-def gid_for_ip(
-    ip: str | ipaddress.IPv4Address | ipaddress.IPv6Address,
-    *,
-    gid_type: str = "RoCEv2",
-    sysfs_root: str = SYSFS_IB,
-) -> GidEntry | None:
-    """The GID entry (device, port, index) whose GID is this local address.
-
-    For RoCEv2 an IPv4 address ``a.b.c.d`` is the GID ``::ffff:a.b.c.d``.
-    Ports that are ACTIVE win over others; ``None`` if no device has it.
-    """
-    want = ipaddress.IPv6Address(_gid_bytes(ip if not isinstance(ip, str) else ipaddress.ip_address(ip)))
-    best: tuple[int, GidEntry] | None = None
-    for dev in list_devices(sysfs_root=sysfs_root):
-        for port in dev.ports:
-            for g in port.gids:
-                if g.gid == want and g.gid_type == gid_type:
-                    rank = 0 if port.state == "ACTIVE" else 1
-                    if best is None or rank < best[0]:
-                        best = (rank, g)
-    return best[1] if best else None
+        raise ValueError(f"path_mtu must be one of {sorted(MTU_TO_ENUM)} (bytes), got {path_mtu}") from None
 
 
 # --------------------------------------------------------------------------
@@ -570,55 +290,6 @@ class _Resource:
 # --------------------------------------------------------------------------
 # Context
 # --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceAttr:
-    node_guid: int
-    max_mr_size: int
-    vendor_id: int
-    vendor_part_id: int
-    max_qp: int
-    max_qp_wr: int
-    max_sge: int
-    max_cq: int
-    max_cqe: int
-    max_mr: int
-    max_pd: int
-    max_qp_rd_atom: int
-    max_qp_init_rd_atom: int
-    phys_port_cnt: int
-    fw_ver: str
-
-
-@dataclass(frozen=True, slots=True)
-class PortAttr:
-    port: int
-    state: int
-    state_name: str  # "ACTIVE", ...
-    active_mtu: int  # bytes
-    max_mtu: int  # bytes
-    gid_tbl_len: int
-    lid: int
-    link_layer: str
-    max_msg_sz: int
-
-
-@dataclass(frozen=True, slots=True)
-class AsyncEvent:
-    """An acknowledged asynchronous event and the object it concerns.
-
-    ``qp``/``cq`` is the aiordma object when it is one of this context's
-    (``None`` if it was already closed); ``port`` is set for port events.
-    """
-
-    event_type: int
-    name: str  # "IBV_EVENT_QP_FATAL"
-    description: str  # ibv_event_type_str()
-    element_kind: str  # "qp", "cq", "srq", "wq", "port", "device", "none"
-    qp: QueuePair | None = None
-    cq: CompletionQueue | None = None
-    port: int | None = None
 
 
 _EV_KINDS: Final = {0: "none", 1: "cq", 2: "qp", 3: "srq", 4: "wq", 5: "port", 6: "device"}
@@ -704,7 +375,7 @@ class Context(_Resource):
         state = int(p.state)
         return PortAttr(
             port, state, PORT_STATE_NAMES.get(state, str(state)),
-            _ENUM_TO_MTU.get(int(p.active_mtu), 0), _ENUM_TO_MTU.get(int(p.max_mtu), 0),
+            ENUM_TO_MTU.get(int(p.active_mtu), 0), ENUM_TO_MTU.get(int(p.max_mtu), 0),
             int(p.gid_tbl_len), int(p.lid), _LINK_LAYERS.get(int(p.link_layer), str(int(p.link_layer))),
             int(p.max_msg_sz),
         )  # fmt: skip
@@ -1035,8 +706,8 @@ class WCArray:
     def decode(self, count: int) -> list[WorkCompletion]:
         return [self[i] for i in range(count)]
 
-    def entries(self, count: int) -> list[tuple[int, int, int, int]]:
-        """``(wr_id, status, byte_len, imm)`` of the first ``count`` entries, in one pass.
+    def entries(self, count: int) -> list[tuple[int, int, int, int, int, int]]:
+        """``(wr_id, status, opcode, byte_len, imm, qp_num)`` of the first ``count`` entries, in one pass.
 
         ``imm`` is the immediate data (host order) or -1 when the completion
         carries none.  Cheaper than the per-field accessors on the data path:
@@ -1046,8 +717,8 @@ class WCArray:
             return []
         raw = _ffi.buffer(self._a, count * _WC_SIZE)
         return [
-            (wr_id, status, byte_len, imm if flags & _WC_WITH_IMM else -1)
-            for wr_id, status, _op, _vendor, byte_len, imm, _qp, _src, flags in _WC_STRUCT.iter_unpack(raw)
+            (wr_id, status, op, byte_len, imm if flags & _WC_WITH_IMM else -1, qp)
+            for wr_id, status, op, _vendor, byte_len, imm, qp, _src, flags in _WC_STRUCT.iter_unpack(raw)
         ]
 
     def wr_id(self, i: int) -> int:
@@ -1216,47 +887,6 @@ class CompletionQueue(_Resource):
 # --------------------------------------------------------------------------
 # Queue pairs
 # --------------------------------------------------------------------------
-
-
-class PostError(RDMAError):
-    """``ibv_post_send``/``ibv_post_recv`` rejected a batch; ``posted`` were accepted before it."""
-
-    def __init__(self, err: int, call: str, posted: int, total: int) -> None:
-        super().__init__(err, call, f"posted {posted} of {total} work requests")
-        self.posted = posted
-        self.total = total
-
-
-@dataclass(slots=True)
-class SendWR:
-    """One send-queue work request (one scatter/gather entry).
-
-    ``opcode`` SEND / SEND_WITH_IMM / RDMA_WRITE / RDMA_WRITE_WITH_IMM /
-    RDMA_READ; ``remote_addr``/``rkey`` for the RDMA ones; ``imm_data`` (host
-    order) for the *_WITH_IMM ones.  ``length`` 0 posts no sge.
-    """
-
-    opcode: Opcode = Opcode.SEND
-    wr_id: int = 0
-    addr: int = 0
-    length: int = 0
-    lkey: int = 0
-    remote_addr: int = 0
-    rkey: int = 0
-    imm_data: int | None = None
-    signaled: bool = True
-    inline: bool = False
-    solicited: bool = False
-    fence: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class QPCaps:
-    max_send_wr: int
-    max_recv_wr: int
-    max_send_sge: int
-    max_recv_sge: int
-    max_inline_data: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1484,8 +1114,9 @@ class QueuePair(_Resource):
         if rc < 0:
             raise PostError(-rc, "ibv_post_recv", 0, 1)
 
-    def post_send_imm(self, wr_id: int, addr: int, length: int, lkey: int, imm_data: int, signaled: bool) -> None:
-        """Post one SEND_WITH_IMM (``imm_data`` in host order; ``length`` 0: no sge).
+    def post_send_imm(self, wr_id: int, addr: int, length: int, lkey: int, imm_data: int, flags: int) -> None:
+        """Post one SEND_WITH_IMM (``imm_data`` in host order; ``length`` 0: no sge;
+        ``flags``: ``SIGNALED | SOLICITED | INLINE`` bits as plain ints).
 
         The data path's scalar fast path: the same work request as
         ``post_send(SendWR(Opcode.SEND_WITH_IMM, ...))`` without building a
@@ -1494,8 +1125,7 @@ class QueuePair(_Resource):
         """
         if self._h is None:
             self._ensure_open("ibv_post_send")
-        rc = int(_lib.aiordma_post_send_imm(self._h, wr_id, addr, length, lkey, imm_data,
-                                            _SIGNALED if signaled else 0))  # fmt: skip
+        rc = int(_lib.aiordma_post_send_imm(self._h, wr_id, addr, length, lkey, imm_data, flags))
         if rc < 0:
             raise PostError(-rc, "ibv_post_send", 0, 1)
 

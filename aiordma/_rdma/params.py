@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
-from ._errors import RemoteProtocolError
+from .._errors import RemoteProtocolError
 
 __all__ = ["RdmaParams", "PARAMS"]
 

@@ -1,0 +1,156 @@
+"""Event-loop backends for the RDMA transport: fd watchers, waiters, checkpoints.
+
+The RDMA transport is push-based: a device's completion channel fd is watched
+for as long as the device is open, and what the watcher finds wakes the tasks
+that wait.  Each backend gives three things, in the spirit of httpcore's
+``_backends``:
+
+* ``watch(fd, callback)``: call ``callback()`` (synchronously, in the loop's
+  thread) each time ``fd`` is readable, until the returned watch is closed.
+  asyncio/uvloop: ``loop.add_reader`` once; trio: one system task looping on
+  ``wait_readable``.  A callback must not raise (an exception is logged: a
+  watcher that dies would leave its connections hanging).
+* waiters: ``new_waiter()`` gives a one-shot object, ``wake(w)`` sets it and
+  ``await wait(w)`` waits for it (an asyncio future; a trio Event).
+* ``checkpoint()``: a schedule point and cancel point.
+
+Backends are chosen per event loop by :func:`current_io`; the loop's identity
+(``key``) is what the per-loop device registry is keyed by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import sniffio
+
+__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "Watch"]
+
+log = logging.getLogger("aiordma")
+
+
+class Watch:
+    """A registered fd watcher; :meth:`close` stops it (idempotent)."""
+
+    def __init__(self, stop: Callable[[], None]) -> None:
+        self._stop: Callable[[], None] | None = stop
+
+    def close(self) -> None:
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop()
+
+
+def _guarded(callback: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            callback()
+        except Exception:  # pragma: no cover - a bug; keep the watcher alive and say so
+            log.exception("aiordma: an fd watcher callback failed")
+
+    return run
+
+
+class IOBackend:
+    """What the RDMA transport needs of an event loop (see the module docs)."""
+
+    key: object
+    name: str
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+        raise NotImplementedError
+
+    def notify_closing(self, fd: int) -> None:
+        """``fd`` is about to be closed (its watch was closed already)."""
+
+    def new_waiter(self) -> Any:
+        raise NotImplementedError
+
+    def wake(self, waiter: Any) -> None:
+        raise NotImplementedError
+
+    def wait(self, waiter: Any) -> Awaitable[Any]:
+        raise NotImplementedError
+
+    def checkpoint(self) -> Awaitable[None]:
+        raise NotImplementedError
+
+
+class AsyncioIO(IOBackend):
+    name = "asyncio"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.key = loop
+        self.new_waiter = loop.create_future  # type: ignore[method-assign]
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+        loop = self.loop
+        loop.add_reader(fd, _guarded(callback))
+
+        def stop() -> None:
+            loop.remove_reader(fd)
+
+        return Watch(stop)
+
+    def wake(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def wait(self, waiter: asyncio.Future[None]) -> Awaitable[None]:
+        return waiter
+
+    def checkpoint(self) -> Awaitable[None]:
+        return asyncio.sleep(0)
+
+
+class TrioIO(IOBackend):
+    name = "trio"
+
+    def __init__(self) -> None:
+        import trio
+
+        self._trio = trio
+        self.key = trio.lowlevel.current_root_task()
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+        trio = self._trio
+        scope = trio.CancelScope()
+        run = _guarded(callback)
+
+        async def watcher() -> None:
+            with scope:
+                while True:
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except (trio.ClosedResourceError, OSError):  # pragma: no cover - fd closed under us
+                        return
+                    run()
+
+        trio.lowlevel.spawn_system_task(watcher, name=f"aiordma fd {fd} watcher")
+        return Watch(scope.cancel)
+
+    def notify_closing(self, fd: int) -> None:
+        self._trio.lowlevel.notify_closing(fd)
+
+    def new_waiter(self) -> Any:
+        return self._trio.Event()
+
+    def wake(self, waiter: Any) -> None:
+        waiter.set()
+
+    def wait(self, waiter: Any) -> Awaitable[None]:
+        return waiter.wait()  # type: ignore[no-any-return]
+
+    def checkpoint(self) -> Awaitable[None]:
+        return self._trio.lowlevel.checkpoint()
+
+
+def current_io() -> IOBackend:
+    """The backend of the running event loop (asyncio, uvloop or trio)."""
+    if sniffio.current_async_library() == "trio":
+        return TrioIO()
+    return AsyncioIO(asyncio.get_running_loop())

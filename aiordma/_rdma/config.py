@@ -1,0 +1,110 @@
+"""RDMA configuration, the injectable backend and the setup error (no native code here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .constants import GidEntry
+from .discovery import Probe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .device import VerbsProvider
+
+__all__ = ["RdmaConfig", "RdmaBackend", "RdmaSetupError", "NativeProvider"]
+
+
+@dataclass(frozen=True)
+class RdmaConfig:
+    """Sizes and timeouts of the RDMA transport (per connection)."""
+
+    #: receive buffers for data SENDs (the peer's data credits)
+    window: int = 32
+    #: receive buffers for credit-only SENDs
+    control: int = 2
+    #: size of each receive (and send) buffer
+    buffer_size: int = 64 << 10
+    #: how long the path probe and the QP bring-up may take
+    setup_timeout: float = 5.0
+    #: QP ACK timeout exponent (4.096 us * 2**n) and retries: a dead peer is
+    #: reported after about (retry_cnt + 1) * timeout
+    qp_timeout: int = 14
+    retry_cnt: int = 7
+    rnr_retry: int = 6
+    #: how long closing waits for the CLOSE to be delivered, and again for flushes
+    close_timeout: float = 2.0
+    #: ask for a send completion at least every this many SENDs (the others
+    #: are unsignaled; a completion retires every send posted before it)
+    signal_every: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.window <= 4096:
+            raise ValueError("window must be between 1 and 4096")
+        if not 1 <= self.control <= 127:
+            raise ValueError("control must be between 1 and 127")
+        if not 256 <= self.buffer_size <= 16 << 20:
+            raise ValueError("buffer_size must be between 256 bytes and 16 MiB")
+        if self.signal_every < 1:
+            raise ValueError("signal_every must be at least 1")
+
+
+class RdmaSetupError(Exception):
+    """A step of the RDMA setup failed; ``step`` names it, the message says why."""
+
+    def __init__(self, step: str, detail: str) -> None:
+        super().__init__(f"RDMA setup failed at {step}: {detail}")
+        self.step = step
+        self.detail = detail
+
+
+class NativeProvider:
+    """The verbs of this host: the native module, sysfs discovery."""
+
+    name = "native"
+
+    def open_context(self, name: str) -> Any:
+        from .verbs import Context  # the native module loads here, when RDMA is first needed
+
+        return Context(name)
+
+    def WCArray(self, n: int) -> Any:  # noqa: N802 - mirrors the class name
+        from .verbs import WCArray
+
+        return WCArray(n)
+
+    def gid_for_ip(self, ip: str) -> GidEntry | None:
+        from .discovery import gid_for_ip
+
+        return gid_for_ip(ip)
+
+    def probe(self) -> Probe:
+        from .discovery import probe
+
+        return probe()
+
+    def live_objects(self) -> dict[str, int]:
+        from .verbs import live_objects
+
+        return live_objects()
+
+
+class RdmaBackend:
+    """Opens RDMA connections.  Injectable (``rdma_backend=``): tests subclass it
+    to make a chosen setup step fail, or give it another verbs provider (the
+    simulated wire of :mod:`aiordma.testing`); :meth:`probe` decides whether
+    RDMA is offered at all."""
+
+    def __init__(self, config: RdmaConfig | None = None, *, provider: VerbsProvider | None = None) -> None:
+        self.config = config or RdmaConfig()
+        self.provider: VerbsProvider = provider if provider is not None else NativeProvider()
+
+    def probe(self) -> Probe:
+        return self.provider.probe()
+
+    def before_step(self, step: str) -> None:
+        """Called before each setup step (``device``, ``open``, ``resources``,
+        ``init``, ``memory``, ``post``, ``params``, ``rtr``, ``rts``, ``probe``)."""
+
+    async def probe_delay(self) -> None:
+        """Called while the path probe is outstanding (tests make it hang)."""
+

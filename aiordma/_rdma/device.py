@@ -1,0 +1,225 @@
+"""One opened RDMA device per event loop, shared by every connection on that loop.
+
+A :class:`Device` holds the device context, one protection domain, one
+completion channel and one CQ, the push :class:`~aiordma._rdma.poller.Poller`
+watching the channel fd, the async-event fd watcher, and a cache of
+registered regions (registered once, recycled by later connections).  It is
+reference-counted: :func:`acquire_device` opens it on first use in a loop
+(the device is opened once per process and loop, never per connect) and
+:meth:`Device.release` closes it when the last user is done, in order:
+watchers, CQ, channel, cached regions, PD, context.
+
+Sharing a PD is safe because nothing in it is remotely accessible: ring
+regions are registered ``LOCAL_WRITE`` only, so no rkey of one connection
+lets a peer reach another connection's memory (a QP allows remote WRITE only
+for the zero-length path probe, which touches no memory).
+
+The CQ is sized once (up to the device's ``max_cqe``) and every QP reserves
+its send and receive queue depths from it, so it cannot overflow even when a
+busy QP is flushed; a connection that does not fit is refused at setup (and
+falls back to TCP with the reason).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Any, Protocol
+
+from .._errors import RDMAError
+from .._io import IOBackend, Watch
+from .constants import GidEntry
+from .discovery import Probe
+from .poller import Poller
+
+__all__ = ["Device", "VerbsProvider", "acquire_device", "open_devices"]
+
+log = logging.getLogger("aiordma")
+
+#: Completion queue entries asked for per device (capped by the device's max_cqe).
+CQ_ENTRIES = 16384
+#: Registered regions kept for reuse per device, at most.
+REGION_CACHE = 16
+
+
+class VerbsProvider(Protocol):
+    """Where verbs objects come from: the native module, or :mod:`aiordma.testing`'s simulated wire."""
+
+    name: str
+
+    def open_context(self, name: str) -> Any: ...
+    def WCArray(self, n: int) -> Any: ...  # noqa: N802
+    def gid_for_ip(self, ip: str) -> GidEntry | None: ...
+    def probe(self) -> Probe: ...
+    def live_objects(self) -> dict[str, int]: ...
+
+
+# (loop key, provider, device name) -> Device.  Entries live exactly as long as
+# their device is referenced: this is per loop, not a process-wide context.
+_devices: dict[tuple[object, int, str], Device] = {}
+
+
+def open_devices() -> list[Device]:
+    """The devices open right now (any loop): for tests and ``aiordma info``."""
+    return list(_devices.values())
+
+
+def acquire_device(io: IOBackend, provider: VerbsProvider, name: str) -> Device:
+    """The device ``name`` for this event loop, opened on first use; the caller must ``release()`` it."""
+    key = (io.key, id(provider), name)
+    device = _devices.get(key)
+    if device is None or device.closed:
+        device = Device(io, provider, name)
+        _devices[key] = device
+        device._key = key
+    device.refs += 1
+    return device
+
+
+class Device:
+    """See the module docs.  Do not create directly: use :func:`acquire_device`."""
+
+    def __init__(self, io: IOBackend, provider: VerbsProvider, name: str) -> None:
+        self.io = io
+        self.provider = provider
+        self.name = name
+        self.refs = 0
+        self.closed = False
+        self._key: tuple[object, int, str] | None = None
+        self.ctx: Any = None
+        self.pd: Any = None
+        self.channel: Any = None
+        self.cq: Any = None
+        self._watches: list[Watch] = []
+        self._regions: dict[int, list[Any]] = {}
+        try:
+            self.ctx = ctx = provider.open_context(name)
+            self.attr = ctx.query_device()
+            self.port_attr = ctx.query_port(1)
+            self.pd = ctx.alloc_pd()
+            self.channel = ctx.create_comp_channel()
+            self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
+            self.cq_free: int = int(self.cq.cqe)
+            self.poller = Poller(self.cq, self.channel, provider.WCArray(64))
+            self.poller.on_error = self._fail_all
+            self._watches.append(io.watch(self.channel.fileno(), self.poller.on_readable))
+            self._watches.append(io.watch(ctx.fileno(), self._on_async_event))
+            self.poller.poll_now()  # arms the CQ
+        except BaseException:
+            self._close_resources()
+            raise
+
+    @property
+    def active_mtu(self) -> int:
+        return int(self.port_attr.active_mtu) or 1024
+
+    # -- the CQ budget ----------------------------------------------------------------
+
+    def reserve_cq(self, entries: int) -> None:
+        if entries > self.cq_free:
+            raise RDMAError(
+                errno.ENOSPC,
+                "reserve CQ entries",
+                f"the device's completion queue has {self.cq_free} of {self.cq.cqe} entries left, a connection needs {entries}",
+            )
+        self.cq_free -= entries
+
+    def unreserve_cq(self, entries: int) -> None:
+        self.cq_free += entries
+
+    # -- registered regions ------------------------------------------------------------
+
+    def take_region(self, length: int) -> Any:
+        """A registered, local-only region of ``length`` bytes (recycled when possible)."""
+        cached = self._regions.get(length)
+        if cached:
+            return cached.pop()
+        from .constants import Access
+
+        return self.pd.reg_mr(length, Access.LOCAL_WRITE)
+
+    def give_region(self, mr: Any) -> None:
+        """Return a region whose QP is destroyed (the device can no longer touch it)."""
+        if self.closed:
+            mr.close()
+            return
+        cached = self._regions.setdefault(mr.length, [])
+        if sum(len(v) for v in self._regions.values()) < REGION_CACHE:
+            cached.append(mr)
+        else:
+            mr.close()
+
+    # -- async events -------------------------------------------------------------------
+
+    def _on_async_event(self) -> None:
+        routes = self.poller.routes
+        while True:
+            try:
+                event = self.ctx.get_async_event()
+            except OSError as exc:
+                self._fail_all(exc)
+                return
+            if event is None:
+                return
+            log.warning("aiordma: RDMA async event on %s: %s (%s)", self.name, event.name, event.description)
+            error = RDMAError(errno.EIO, "async event", f"{event.name}: {event.description}")
+            if event.element_kind == "qp" and event.qp is not None:
+                receiver = routes.get(int(event.qp.qp_num))
+                if receiver is not None and event.name in _FATAL_QP_EVENTS:
+                    getattr(receiver, "on_fatal")(error)
+            elif event.name in _FATAL_DEVICE_EVENTS:
+                self._fail_all(error)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for receiver in list(self.poller.routes.values()):
+            getattr(receiver, "on_fatal")(exc)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def release(self) -> None:
+        """One user is done; the last one closes the device."""
+        self.refs -= 1
+        if self.refs > 0 or self.closed:
+            return
+        if self.poller.routes:  # pragma: no cover - a link releases only after its QP is gone
+            log.warning("aiordma: closing device %s with %d QPs still routed", self.name, len(self.poller.routes))
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        self.closed = True
+        if self._key is not None and _devices.get(self._key) is self:
+            del _devices[self._key]
+        for watch in self._watches:
+            watch.close()
+        self._watches.clear()
+        errors: list[BaseException] = []
+
+        def attempt(action: Any) -> None:
+            try:
+                action()
+            except Exception as exc:  # teardown goes on whatever one step says
+                errors.append(exc)
+
+        if self.channel is not None:
+            self.io.notify_closing(self.channel.fileno())
+            attempt(self.channel.drain_events)
+        if self.ctx is not None:
+            self.io.notify_closing(self.ctx.fileno())
+        if self.cq is not None:
+            attempt(self.cq.close)
+        if self.channel is not None:
+            attempt(self.channel.close)
+        for regions in self._regions.values():
+            for mr in regions:
+                attempt(mr.close)
+        self._regions.clear()
+        if self.pd is not None:
+            attempt(self.pd.close)
+        if self.ctx is not None:
+            attempt(self.ctx.close)
+        for exc in errors:
+            log.warning("aiordma: closing RDMA device %s: %s", self.name, exc)
+
+
+_FATAL_QP_EVENTS = frozenset({"IBV_EVENT_QP_FATAL", "IBV_EVENT_QP_REQ_ERR", "IBV_EVENT_QP_ACCESS_ERR"})
+_FATAL_DEVICE_EVENTS = frozenset({"IBV_EVENT_DEVICE_FATAL", "IBV_EVENT_CQ_ERR", "IBV_EVENT_PORT_ERR"})

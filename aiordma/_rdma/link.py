@@ -1,0 +1,600 @@
+"""The RDMA link: the thin glue between a Core, its sans-IO session, its QP and the device's poller.
+
+Theory of operation
+-------------------
+An :class:`RdmaLink` exists from the moment a side decides to offer RDMA
+(:meth:`RdmaLink.prepare`: QP created and in INIT, receive ring registered and
+posted, routed on the device's poller) through the handshake
+(:meth:`connect`: the peer's parameters, RTR/RTS; :meth:`probe`: a
+zero-length RDMA WRITE proves the path) to :meth:`activate`, where it takes
+the Core over from the TCP link.  The TCP connection stays open, silent, as
+the liveness channel: its end (or any byte on it) means the peer is gone.
+
+Everything is pushed: the device's poller calls :meth:`on_completions` from
+the event loop's fd callback; that feeds received bytes to the Core, posts
+what the session says (re-posts, credit messages, backlog) and wakes the
+tasks that wait -- a receiver for data, a sender for credits or send slots.
+No task polls, no loop spins: every wait is on a future (asyncio) or an Event
+(trio) that only :meth:`on_completions`, a fatal event or teardown sets.
+
+Ownership and teardown follow the device's rules (``docs/architecture.md``):
+stop posting, send the CLOSE frame signaled and wait for its completion
+(bounded), move the QP to ERROR, wait until every posted receive and every
+signaled send came back (bounded), destroy the QP, and only then give the
+rings back to the device's cache and release the device.  Each step runs
+whatever the one before said (errors are logged, never left to leak the
+rest), also under cancellation.
+
+Errors are translated here, at one boundary: verbs and completion errors
+become the Core's error (``BrokenResourceError`` on the anyio API, with the
+cause), and what the session calls the peer's fault is a
+``RemoteProtocolError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import anyio
+from anyio import BrokenResourceError, ClosedResourceError
+from anyio.abc import SocketAttribute
+
+from .._attributes import TransportAttribute
+from .._core import RECEIVE_HIGH_WATER, Core, Link
+from .._errors import RDMAError, RemoteProtocolError
+from .._io import IOBackend, Watch, current_io
+from .._protocol import Chunk
+from .config import RdmaBackend, RdmaConfig, RdmaSetupError
+from .constants import MTU_TO_ENUM, Access, Opcode, SendWR
+from .device import Device, acquire_device
+from .params import MTU_BYTES, RdmaParams
+from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
+from .states import LinkState
+
+__all__ = ["RdmaLink", "local_ip_of", "peer_ip_of"]
+
+log = logging.getLogger("aiordma")
+
+_SIGNALED = 2
+_SOLICITED = 4
+
+
+def _address(link: Link, attribute: Any) -> str | None:
+    getter = link.extra_attributes.get(attribute)
+    if getter is None:
+        return None
+    address = getter()
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    return None
+
+
+def local_ip_of(link: Link) -> str | None:
+    """The local IP address of a link's TCP socket."""
+    return _address(link, SocketAttribute.local_address)
+
+
+def peer_ip_of(link: Link) -> str | None:
+    """The peer's IP address of a link's TCP socket."""
+    return _address(link, SocketAttribute.remote_address)
+
+
+def _gid_of(ip: str) -> bytes:
+    addr = ipaddress.ip_address(ip)
+    if isinstance(addr, ipaddress.IPv4Address):
+        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
+    mapped = addr.ipv4_mapped
+    return ipaddress.IPv6Address("::ffff:" + str(mapped)).packed if mapped is not None else addr.packed
+
+
+class RdmaLink(Link):
+    """One connection's QP, session and rings (see the module docs)."""
+
+    core: Core
+
+    def __init__(self, backend: RdmaBackend, io: IOBackend) -> None:
+        self.backend = backend
+        self.config: RdmaConfig = backend.config
+        self.io = io
+        self.device: Device | None = None
+        self.qp: Any = None
+        self.recv_mr: Any = None
+        self.send_mr: Any = None
+        self.session: RdmaSession | None = None
+        self.control: Link | None = None
+        self.peer: RdmaParams | None = None
+        self._cq_reserved = 0
+        self._routed = False
+        self._waiters: list[Any] = []
+        self._liveness: Watch | None = None
+        self._tcp_lost = False
+        self._closing = False
+        self._closed_done = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._step = "device"
+        self.qp_num = 0
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _enter(self, step: str) -> None:
+        self._step = step
+        self.backend.before_step(step)
+
+    @classmethod
+    def prepare(cls, backend: RdmaBackend, local_ip: str | None) -> RdmaLink:
+        """Open what one side offers in its HELLO; raises :class:`RdmaSetupError` (with nothing left open)."""
+        link = cls(backend, current_io())
+        try:
+            link._prepare(local_ip)
+        except BaseException as exc:
+            link._destroy()
+            if isinstance(exc, RdmaSetupError):
+                raise
+            if isinstance(exc, (RDMAError, OSError, ValueError)):
+                raise RdmaSetupError(link._step, str(exc)) from exc
+            raise
+        return link
+
+    def _prepare(self, local_ip: str | None) -> None:
+        cfg = self.config
+        provider = self.backend.provider
+        self._enter("device")
+        if local_ip is None:
+            raise RdmaSetupError("device", "the TCP socket has no IP address")
+        entry = provider.gid_for_ip(local_ip)
+        if entry is None:
+            raise RdmaSetupError("device", f"no RDMA device has the local address {local_ip}")
+        self.gid_entry = entry
+        self._enter("open")
+        self.device = device = acquire_device(self.io, provider, entry.device)
+        self._enter("resources")
+        buffers = cfg.window + cfg.control
+        want_sq = cfg.window + cfg.control + 4
+        self.qp = qp = device.pd.create_qp(device.cq, max_send_wr=want_sq, max_recv_wr=buffers)
+        self.qp_num = int(qp.qp_num)
+        caps = qp.caps
+        self._cq_reserved = int(caps.max_send_wr) + int(caps.max_recv_wr)
+        device.reserve_cq(self._cq_reserved)
+        self._enter("init")
+        qp.to_init(entry.port, access=Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        self._enter("memory")
+        self.recv_mr = device.take_region(buffers * cfg.buffer_size)
+        ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
+        self.session = RdmaSession(
+            window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring, rq_depth=int(caps.max_recv_wr)
+        )
+        self._enter("post")
+        device.poller.routes[self.qp_num] = self
+        self._routed = True
+        self._post_recv(self.session.initial_receives())
+        self.mtu = min(4096, device.active_mtu)
+        self.psn = random.randrange(1 << 24)
+
+    @property
+    def params(self) -> RdmaParams:
+        """What our HELLO tells the peer."""
+        cfg = self.config
+        return RdmaParams(
+            gid=self.gid_entry.gid.packed,
+            qp_num=self.qp_num,
+            psn=self.psn,
+            mtu=MTU_TO_ENUM.get(self.mtu, 3),
+            window=cfg.window,
+            control=cfg.control,
+            buffer_size=cfg.buffer_size,
+        )
+
+    def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
+        """RTR and RTS towards the peer's QP (steps ``params``, ``rtr``, ``rts``)."""
+        try:
+            self._connect(peer_raw, peer_ip)
+        except RdmaSetupError:
+            raise
+        except RemoteProtocolError as exc:
+            raise RdmaSetupError("params", str(exc)) from exc
+        except (RDMAError, OSError, ValueError) as exc:
+            raise RdmaSetupError(self._step, str(exc)) from exc
+
+    def _connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
+        cfg = self.config
+        session, qp, device = self.session, self.qp, self.device
+        assert session is not None and device is not None
+        self._enter("params")
+        if peer_raw is None:
+            raise RdmaSetupError("params", "the peer sent no RDMA parameters")
+        peer = RdmaParams.decode(peer_raw)
+        if peer_ip is None:
+            raise RdmaSetupError("params", "the TCP peer has no IP address to check the peer's GID against")
+        if peer.gid != _gid_of(peer_ip):
+            raise RdmaSetupError(
+                "params",
+                f"the peer's GID {ipaddress.IPv6Address(peer.gid)} is not its TCP address {peer_ip} "
+                "(a QP is only ever aimed at the host on the other end of the handshake)",
+            )
+        self.peer = peer
+        self._enter("rtr")
+        qp.to_rtr(peer.qp_num, peer.gid, sgid_index=self.gid_entry.index, rq_psn=peer.psn,
+                  path_mtu=min(self.mtu, MTU_BYTES[peer.mtu]), port_num=self.gid_entry.port)  # fmt: skip
+        self._enter("rts")
+        qp.to_rts(self.psn, timeout=cfg.qp_timeout, retry_cnt=cfg.retry_cnt, rnr_retry=cfg.rnr_retry)
+        slot = min(peer.buffer_size, cfg.buffer_size)
+        self.send_mr = device.take_region(cfg.window * slot)
+        ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)
+        session.start(
+            peer,
+            sq_depth=int(qp.caps.max_send_wr),
+            send=ring,
+            max_inline=int(qp.caps.max_inline_data),
+            signal_every=cfg.signal_every,
+            high_water=RECEIVE_HIGH_WATER,
+        )
+
+    async def probe(self) -> None:
+        """Prove the path: a zero-length RDMA WRITE must be ACKed (step ``probe``)."""
+        session = self.session
+        assert session is not None
+        self._enter("probe")
+        try:
+            self._post_send([session.probe_work()])
+            with anyio.fail_after(self.config.setup_timeout):
+                await self.backend.probe_delay()
+                while session.probe_status is None and session.error is None:
+                    await self._wait()
+        except TimeoutError:
+            raise RdmaSetupError("probe", f"no answer from the peer's QP within {self.config.setup_timeout} s") from None
+        if session.error is not None or session.probe_status:
+            raise RdmaSetupError("probe", f"the path to the peer failed ({session.error})")
+
+    def activate(self, core: Core, control: Link) -> None:
+        """Take the Core over from the TCP link ``control`` (which stays open for liveness)."""
+        session = self.session
+        assert session is not None
+        self.control = control
+        self.core = core
+        session.activate()
+        core.link = self
+        core.transport = "rdma"
+        core.fallback_reason = ""
+        self._liveness = control.hand_over(self.io, self._on_control_lost)
+        deferred = session.take_deferred()
+        if deferred:
+            self.on_completions(deferred)
+
+    # -- posting (the one place that calls the QP on the data path) --------------------------
+
+    def _post_send(self, work: list[SendWork]) -> None:
+        qp = self.qp
+        try:
+            if len(work) == 1:
+                wr_id, addr, length, lkey, imm, flags = work[0]
+                if wr_id >> KIND_SHIFT & 0x7F == KIND_PROBE:
+                    qp.post_send(SendWR(Opcode.RDMA_WRITE, wr_id, signaled=True))
+                else:
+                    qp.post_send_imm(wr_id, addr, length, lkey, imm, flags)
+            else:
+                qp.post_send_batch(
+                    [
+                        SendWR(Opcode.RDMA_WRITE, wr_id, signaled=True)
+                        if wr_id >> KIND_SHIFT & 0x7F == KIND_PROBE
+                        else SendWR(Opcode.SEND_WITH_IMM, wr_id, addr, length, lkey, imm_data=imm,
+                                    signaled=bool(flags & _SIGNALED), solicited=bool(flags & _SOLICITED))
+                        for wr_id, addr, length, lkey, imm, flags in work
+                    ]
+                )  # fmt: skip
+        except (RDMAError, OSError) as exc:
+            # a refused post (or one without a precise bad_wr) leaves the QP in an
+            # unknown state: it is fatal, and what was handed out stays the
+            # device's until the QP is destroyed
+            assert self.session is not None
+            self.session.send_failed(exc)
+            self._broke()
+
+    def _post_recv(self, work: list[tuple[int, int, int]]) -> None:
+        qp = self.qp
+        lkey = self.recv_mr.lkey
+        try:
+            if len(work) == 1:
+                wr_id, addr, length = work[0]
+                qp.post_recv_one(addr, length, lkey, wr_id)
+            else:
+                qp.post_recv_batch([w[1] for w in work], [w[2] for w in work], lkey, [w[0] for w in work])
+        except (RDMAError, OSError) as exc:
+            assert self.session is not None
+            self.session.fail(exc)
+            self._broke()
+
+    # -- pushed by the poller ------------------------------------------------------------
+
+    def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
+        session = self.session
+        assert session is not None
+        had_error = session.error is not None
+        if session.state is LinkState.SETUP:
+            session.on_completions(entries, 0)
+        else:
+            core = self.core
+            views, reposts = session.on_completions(entries, core.buffered)
+            if views:
+                feed = core.feed
+                for view in views:
+                    feed(view)
+                if core.error is not None and session.error is None:
+                    session.fail(core.error)
+            if reposts and session.error is None:
+                self._post_recv(reposts)
+            if session.error is None:
+                work = session.flush()
+                if work:
+                    self._post_send(work)
+        if session.error is not None and not had_error:
+            self._broke()
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            wake = self.io.wake
+            for w in waiters:
+                wake(w)
+
+    def on_fatal(self, exc: BaseException) -> None:
+        """A fatal async event for our QP (or the whole device)."""
+        session = self.session
+        if session is not None and session.error is None:
+            session.fail(exc)
+            self._broke()
+        self._wake_all()
+
+    def _on_control_lost(self) -> None:
+        """The TCP connection ended or carried bytes: after the switch that means the peer is leaving."""
+        if self._liveness is not None:
+            self._liveness.close()
+            self._liveness = None
+        self._tcp_lost = True
+        if self.device is not None and not self.device.closed:
+            self.device.poller.poll_now()  # was the peer's CLOSE already in the CQ?
+        core = self.core
+        if core.peer_close is None and core.error is None and not core.closed:
+            core.feed_eof(ConnectionResetError("the TCP connection of the RDMA link ended"))
+        session = self.session
+        if session is not None and session.error is None and core.error is not None:
+            session.fail(core.error)
+        self._wake_all()
+
+    def _broke(self) -> None:
+        """The session failed: the Core learns why (once)."""
+        session = self.session
+        assert session is not None
+        error = session.error
+        core = getattr(self, "core", None)
+        if core is not None and error is not None and core.error is None and not core.closed:
+            core.on_error(error)
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            self.io.wake(w)
+
+    def _wait(self) -> Awaitable[Any]:
+        w = self.io.new_waiter()
+        self._waiters.append(w)
+        return self.io.wait(w)
+
+    # -- Link -------------------------------------------------------------------------------
+
+    def _finished(self) -> bool:
+        session = self.session
+        return session is None or session.error is not None or self._closing or self.core.closed
+
+    async def wait_incoming(self) -> None:
+        if self._finished():
+            return
+        await self._wait()
+
+    def incoming(self) -> Awaitable[None]:
+        if self._finished():
+            return self.wait_incoming()
+        return self._wait()
+
+    def consumed(self) -> None:
+        session = self.session
+        if session is not None and session.withheld and session.consumed(self.core.buffered):
+            work = session.flush()
+            if work:
+                self._post_send(work)
+
+    def _check_usable(self) -> None:
+        core = self.core
+        if core.closed or self._closing:
+            raise ClosedResourceError
+        if core.error is not None:
+            raise core.broken()
+        session = self.session
+        if session is None or session.error is not None:
+            raise BrokenResourceError("the RDMA connection failed")
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        self._check_usable()
+        session = self.session
+        assert session is not None
+        end = session.queue(chunks)
+        work = session.flush()
+        if work:
+            self._post_send(work)
+        try:
+            while session.posted_bytes < end:
+                self._check_usable()
+                await self._wait()
+        except BaseException:
+            session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
+            raise
+
+    # asyncio stream API -------------------------------------------------------------------
+
+    _writer = None  # no transport to write to directly
+
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """Queue and post what can be posted now; ``drain`` waits for the rest."""
+        self._check_usable()
+        session = self.session
+        assert session is not None
+        end = session.queue(chunks)
+        work = session.flush()
+        if work:
+            self._post_send(work)
+        session.detach(end)
+
+    @property
+    def _paused_writing(self) -> bool:
+        return self.session is not None and self.session.backlog
+
+    @property
+    def lost(self) -> bool:
+        session = self.session
+        return session is None or session.error is not None or self._tcp_lost or self._closing
+
+    async def drain(self) -> None:
+        session = self.session
+        assert session is not None
+        while session.posted_bytes < session.enqueued:
+            self._check_usable()
+            await self._wait()
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None:
+        transport: asyncio.BaseTransport | None = getattr(self.control, "transport", None)
+        return transport
+
+    def close_nowait(self, final: bytes) -> None:
+        """Start the teardown in a task (asyncio's ``close()``); ``wait_closed`` awaits it."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self.aclose(final))
+            self._close_task.add_done_callback(_log_close_failure)
+
+    async def wait_closed(self) -> None:
+        if self._close_task is not None:
+            await asyncio.shield(self._close_task)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    async def aclose(self, final: bytes) -> None:
+        if self._closing:
+            if not self._closed_done:
+                with anyio.CancelScope(shield=True):
+                    while not self._closed_done:
+                        await self._wait()
+            return
+        self._closing = True
+        session = self.session
+        try:
+            with anyio.CancelScope(shield=True):
+                if session is not None and session.state is LinkState.OPEN and session.error is None:
+                    with anyio.move_on_after(self.config.close_timeout):
+                        if final:
+                            session.queue([final])
+                        session.begin_close()
+                        work = session.flush()
+                        if work:
+                            self._post_send(work)
+                        while not session.close_sent and session.error is None and not self._tcp_lost:
+                            await self._wait()
+                await self._teardown()
+                if self.control is not None:
+                    await self.control.aclose(b"")
+        finally:
+            self._closed_done = True
+            self._wake_all()
+
+    async def _teardown(self) -> None:
+        """QP to ERROR, wait for the flushes (bounded), then destroy and release (see the module docs)."""
+        session = self.session
+        if session is not None and self.qp is not None:
+            session.begin_drain()
+            try:
+                self.qp.to_error()
+            except (RDMAError, OSError) as exc:
+                log.warning("aiordma: RDMA teardown: moving the QP to ERROR: %s", exc)
+            if self.device is not None and not self.device.closed:
+                self.device.poller.poll_now()
+            with anyio.move_on_after(self.config.close_timeout):
+                while not session.drained:
+                    await self._wait()
+            if not session.drained:
+                log.warning(
+                    "aiordma: RDMA teardown: %d receives and %d sends did not come back within %.1f s; "
+                    "destroying the QP reclaims them",
+                    session.rq_posted, session.signaled_out, self.config.close_timeout,
+                )  # fmt: skip
+        self._destroy()
+
+    def _destroy(self) -> None:
+        """Destroy the QP (the barrier after which the device touches nothing), then release the rest."""
+        if self._liveness is not None:
+            self._liveness.close()
+            self._liveness = None
+        device = self.device
+        errors: list[BaseException] = []
+
+        def attempt(action: Callable[[], Any]) -> None:
+            try:
+                action()
+            except Exception as exc:  # every later step runs regardless
+                errors.append(exc)
+
+        if self._routed and device is not None:
+            device.poller.routes.pop(self.qp_num, None)
+            self._routed = False
+        qp_gone = self.qp is None
+        if self.qp is not None:
+            attempt(self.qp.close)
+            qp_gone = bool(getattr(self.qp, "closed", True))
+            self.qp = None
+        if self.session is not None and qp_gone and self.session.state is not LinkState.CLOSED:
+            try:
+                self.session.begin_drain()
+                self.session.reclaim()
+            except RuntimeError:
+                pass
+        if device is not None:
+            for mr in (self.send_mr, self.recv_mr):
+                if mr is not None:
+                    if qp_gone:
+                        attempt(partial(device.give_region, mr))
+                    else:  # pragma: no cover - the QP could not be destroyed: never reuse what it may touch
+                        log.error("aiordma: an RDMA QP could not be destroyed; its buffers are leaked on purpose")
+            self.send_mr = self.recv_mr = None
+            if self._cq_reserved:
+                device.unreserve_cq(self._cq_reserved)
+                self._cq_reserved = 0
+            attempt(device.release)
+            self.device = None
+        for exc in errors:
+            log.warning("aiordma: RDMA teardown: %s", exc)
+
+    async def discard(self) -> None:
+        """Release a link that was prepared but never activated (fallback, setup error)."""
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._teardown()
+            finally:
+                self._closed_done = True
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        attrs = dict(self.control.extra_attributes) if self.control is not None else {}
+        device = self.gid_entry.device
+        qp_num = self.qp_num
+        attrs[TransportAttribute.device] = lambda: device
+        attrs[TransportAttribute.qp_num] = lambda: qp_num
+        return attrs
+
+
+def _log_close_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("aiordma: closing an RDMA connection failed: %r", task.exception())
+
