@@ -189,6 +189,7 @@ class Stream(_Endpoint, ByteStream):
         if not isinstance(item, (bytes, bytearray, memoryview)):
             raise TypeError(f"send() takes bytes, not {type(item).__name__}")
         if not item:
+            await self._core.checkpoint()
             self._core.check_send()
             return
         await self._core.send_data(item)

@@ -45,7 +45,7 @@ from typing import Any
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
 from ._errors import HandshakeError, LocalProtocolError, ProtocolError
-from ._io import IOBackend, Watch
+from ._io import IOBackend, Watch, current_checkpoint
 from ._protocol import (
     Chunk,
     CloseCode,
@@ -120,6 +120,8 @@ class Core:
         self.closed = False
         self.transport = "tcp"
         self.fallback_reason = ""
+        #: a schedule point and cancel point of the running loop (asyncio.sleep(0) or trio's)
+        self.checkpoint: Callable[[], Awaitable[None]] = current_checkpoint()
         link.attach(self)
 
     # -- fed by the link ----------------------------------------------------
@@ -201,6 +203,8 @@ class Core:
 
     async def receive_bytes(self, max_bytes: int) -> bytes:
         rbuf = self.rbuf
+        if rbuf:
+            await self.checkpoint()  # trio's convention: every call is a checkpoint
         while not rbuf:
             self.check_receive()
             await self.link.incoming()
@@ -216,6 +220,8 @@ class Core:
 
     async def receive_message(self) -> bytes:
         messages = self.messages
+        if messages:
+            await self.checkpoint()
         while not messages:
             self.check_receive()
             await self.link.incoming()
@@ -225,6 +231,7 @@ class Core:
         return data
 
     async def send_data(self, data: bytes | bytearray | memoryview) -> None:
+        await self.checkpoint()  # a cancel point and a schedule point, before anything is sent
         self.check_send()
         if self.proto.mode is Mode.MESSAGES:
             chunks = self.proto.send_message(data)
@@ -246,8 +253,9 @@ class Core:
         await self.link.send([frame])
 
     async def aclose(self) -> None:
-        """Close in order: send CLOSE (best effort), release the link.  Idempotent."""
+        """Close in order: send CLOSE (best effort), release the link.  Idempotent; a checkpoint."""
         if self.closed:
+            await self.checkpoint()
             return
         error = self.error
         self.closed = True

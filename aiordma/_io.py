@@ -27,7 +27,7 @@ from typing import Any
 
 import sniffio
 
-__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "Watch"]
+__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "current_checkpoint", "Watch"]
 
 log = logging.getLogger("aiordma")
 
@@ -147,6 +147,23 @@ class TrioIO(IOBackend):
 
     def checkpoint(self) -> Awaitable[None]:
         return self._trio.lowlevel.checkpoint()
+
+
+def _asyncio_checkpoint() -> Awaitable[None]:
+    return asyncio.sleep(0)
+
+
+def current_checkpoint() -> Callable[[], Awaitable[None]]:
+    """The cheapest checkpoint of the running loop (a function to call and await)."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return _asyncio_checkpoint
+    if library == "trio":
+        import trio
+
+        return trio.lowlevel.checkpoint
+    return _asyncio_checkpoint
 
 
 def current_io() -> IOBackend:

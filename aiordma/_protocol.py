@@ -310,6 +310,17 @@ def decode_hello(payload: bytes | memoryview) -> Hello:
     )
 
 
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat view of unsigned bytes of any buffer (``array('I')``, a numpy array, a typed
+    memoryview): its ``len`` is the byte count.  A non-contiguous view is copied."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())
+    return view.cast("B")
+
+
 def frame(ftype: FrameType, payload: bytes = b"") -> bytes:
     """One complete frame (header and payload) as bytes."""
     return HEADER.pack(ftype, 0, 0, len(payload)) + payload
@@ -502,6 +513,8 @@ class Connection:
             if self.state is not State.OPEN:
                 raise LocalProtocolError(f"cannot send data in state {self.state.value}")
             self._half_step(self.send_half, HalfInput.DATA, remote=False)
+        if type(data) is not bytes and type(data) is not bytearray:
+            data = _byte_view(data)  # count bytes, not items of a typed view
         n = len(data)
         limit = self._peer_max_frame
         if n <= COALESCE_LIMIT:
@@ -523,6 +536,8 @@ class Connection:
             if self.state is not State.OPEN:
                 raise LocalProtocolError(f"cannot send a message in state {self.state.value}")
             self._half_step(self.send_half, HalfInput.MESSAGE, remote=False)
+        if type(data) is not bytes and type(data) is not bytearray:
+            data = _byte_view(data)  # count bytes, not items of a typed view
         n = len(data)
         if n > self._peer_max_message:
             raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {self._peer_max_message}")

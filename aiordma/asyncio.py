@@ -236,8 +236,11 @@ class StreamWriter:
             return  # as with asyncio: drain() reports the lost connection
         chunks = proto.send_data(data)
         writer = link._writer
-        if writer is None:  # pragma: no cover - a pair is made once connected
-            link.write_nowait(chunks)
+        if writer is None:  # the RDMA link: no transport to write to
+            try:
+                link.write_nowait(chunks)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # as with asyncio: write() never raises for a lost connection, drain() does
         elif len(chunks) == 1:
             writer.write(chunks[0])
         else:
@@ -257,7 +260,13 @@ class StreamWriter:
             raise ConnectionResetError("Connection lost")
         if not link._paused_writing:
             return  # the common case: no coroutine to await
-        await link.drain()
+        try:
+            await link.drain()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            # the one boundary where the link's (anyio) errors become asyncio's
+            if core.error is not None:
+                raise _reset(core) from exc
+            raise ConnectionResetError("Connection lost") from exc
         if link.lost:
             if core.error is not None:
                 raise _reset(core)
@@ -274,7 +283,10 @@ class StreamWriter:
             frame = self._proto.send_eof()
         except LocalProtocolError:  # pragma: no cover - guarded above
             return
-        self._link.write_nowait([frame])
+        try:
+            self._link.write_nowait([frame])
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return  # drain() reports it
 
     def close(self) -> None:
         core = self._core

@@ -1,7 +1,8 @@
 """The conformance suite: what every aiordma transport must do, under every loop.
 
 Each test runs for each kind of pair (``memory``: the protocol over an
-in-memory pipe; ``tcp``; ``rdma`` in the Soft-RoCE guest) and each event loop
+in-memory pipe; ``tcp``; ``sim``: the RDMA transport over the simulated RC
+wire, on any host; ``rdma`` on a real device, in the Soft-RoCE guest) and each event loop
 (asyncio, uvloop, trio).  Every pair is checked for leaked file descriptors
 once closed.
 """
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.anyio
 KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("tcp", id="tcp"),
+    pytest.param("sim", id="sim"),  # the RDMA transport over the simulated RC wire
     pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
 ]
 
@@ -81,7 +83,7 @@ async def test_transport_is_reported(kind: str) -> None:
         for end in (a, b):
             transport = end.extra(aiordma.TransportAttribute.transport)
             reason = end.extra(aiordma.TransportAttribute.fallback_reason)
-            if kind == "rdma":
+            if kind in ("rdma", "sim"):
                 assert (transport, reason) == ("rdma", "")
                 assert end.extra(aiordma.TransportAttribute.qp_num) > 0
             else:

@@ -21,10 +21,12 @@ from .._core import Core
 from .._links import StreamLink
 from .._negotiate import client_handshake, server_handshake
 from .._protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
+from .._rdma.config import RdmaBackend
+from ._sim import simulated_backend
 
 __all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair", "rdma_address"]
 
-PairKind = Literal["memory", "tcp", "rdma"]
+PairKind = Literal["memory", "tcp", "rdma", "sim"]
 E = TypeVar("E", Stream, Channel)
 
 
@@ -93,7 +95,7 @@ def rdma_address() -> str | None:
 
 
 def _host_for(kind: str) -> str:
-    if kind != "rdma":
+    if kind != "rdma":  # "sim": the simulated device sits at 127.0.0.1
         return "127.0.0.1"
     address = rdma_address()
     if address is None:
@@ -103,15 +105,20 @@ def _host_for(kind: str) -> str:
 
 @asynccontextmanager
 async def _tcp_pair(
-    mode: Mode, transport: str, max_message_size: int, wrap: Callable[[Core], E]
+    mode: Mode, kind: str, max_message_size: int, wrap: Callable[[Core], E], backend: RdmaBackend | None = None
 ) -> AsyncIterator[tuple[E, E]]:
     send, receive = anyio.create_memory_object_stream[Any](1)
-    host = _host_for(transport)
+    host = _host_for(kind)
+    transport = "rdma" if kind == "sim" else kind
+    if kind == "sim" and backend is None:
+        backend = simulated_backend()
     listener: Any
     if mode is Mode.STREAM:
-        listener = await create_listener(host, 0, transport=transport)
+        listener = await create_listener(host, 0, transport=transport, rdma_backend=backend)
     else:
-        listener = await create_channel_listener(host, 0, transport=transport, max_message_size=max_message_size)
+        listener = await create_channel_listener(
+            host, 0, transport=transport, max_message_size=max_message_size, rdma_backend=backend
+        )
     async with listener, send, receive:
 
         async def handler(endpoint: Any) -> None:
@@ -120,9 +127,11 @@ async def _tcp_pair(
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, handler)
             if mode is Mode.STREAM:
-                client: Any = await connect(host, listener.port, transport=transport)
+                client: Any = await connect(host, listener.port, transport=transport, rdma_backend=backend)
             else:
-                client = await connect_channel(host, listener.port, transport=transport, max_message_size=max_message_size)
+                client = await connect_channel(
+                    host, listener.port, transport=transport, max_message_size=max_message_size, rdma_backend=backend
+                )
             server = await receive.receive()
             tg.cancel_scope.cancel()
     try:
@@ -135,10 +144,10 @@ async def _tcp_pair(
 
 @asynccontextmanager
 async def _pair(
-    kind: PairKind, mode: Mode, max_message_size: int, wrap: Callable[[Core], E]
+    kind: PairKind, mode: Mode, max_message_size: int, wrap: Callable[[Core], E], backend: RdmaBackend | None = None
 ) -> AsyncIterator[tuple[E, E]]:
     if kind != "memory":
-        async with _tcp_pair(mode, kind, max_message_size, wrap) as pair:
+        async with _tcp_pair(mode, kind, max_message_size, wrap, backend) as pair:
             yield pair
         return
     client, server = await _memory_cores(mode, max_message_size)
@@ -152,16 +161,24 @@ async def _pair(
 
 
 @asynccontextmanager
-async def stream_pair(kind: PairKind = "memory") -> AsyncIterator[tuple[Stream, Stream]]:
-    """``async with stream_pair("tcp") as (client, server):`` -- connected byte streams, closed on exit."""
-    async with _pair(kind, Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE, Stream) as pair:
+async def stream_pair(
+    kind: PairKind = "memory", *, rdma_backend: RdmaBackend | None = None
+) -> AsyncIterator[tuple[Stream, Stream]]:
+    """``async with stream_pair("tcp") as (client, server):`` -- connected byte streams, closed on exit.
+
+    ``"sim"``: the RDMA transport over the simulated wire (any host; ``rdma_backend``
+    may give a :func:`simulated_backend` with another config or fabric)."""
+    async with _pair(kind, Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE, Stream, rdma_backend) as pair:
         yield pair
 
 
 @asynccontextmanager
 async def channel_pair(
-    kind: PairKind = "memory", *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    kind: PairKind = "memory",
+    *,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    rdma_backend: RdmaBackend | None = None,
 ) -> AsyncIterator[tuple[Channel, Channel]]:
     """``async with channel_pair("tcp") as (client, server):`` -- connected message channels."""
-    async with _pair(kind, Mode.MESSAGES, max_message_size, Channel) as pair:
+    async with _pair(kind, Mode.MESSAGES, max_message_size, Channel, rdma_backend) as pair:
         yield pair

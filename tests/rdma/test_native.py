@@ -130,6 +130,15 @@ class Loop:
         self.ctx.close()
 
 
+FULL_ACCESS = v.Access.LOCAL_WRITE | v.Access.REMOTE_WRITE | v.Access.REMOTE_READ
+
+
+def test_default_access_is_local_only(dev: Dev) -> None:
+    """Least privilege: a memory region is local-only unless a caller grants more."""
+    with v.Context(dev.name) as ctx, ctx.alloc_pd() as pd, pd.reg_mr(4096) as mr:
+        assert mr.access == v.Access.LOCAL_WRITE
+
+
 def make_loop(
     dev: Dev, *, with_channel: bool = False, connect: bool = True, max_send_wr: int = 64, cqe_a: int = 256
 ) -> Loop:
@@ -140,13 +149,13 @@ def make_loop(
         ch = ctx.create_comp_channel() if with_channel else None
         cq = ctx.create_cq(cqe, ch)
         qp = pd.create_qp(cq, max_send_wr=max_send_wr, max_recv_wr=64)
-        mr = pd.reg_mr(65536)
+        mr = pd.reg_mr(65536, FULL_ACCESS)  # the one-sided tests need remote access (not the default)
         sides.append(Side(cq, qp, mr, ch))
     loop = Loop(dev, ctx, pd, sides[0], sides[1])
     if connect:
         a, b = loop.a.qp, loop.b.qp
-        a.connect(v.RCEndpoint(b.qp_num, dev.gid, 0x2222), sgid_index=dev.gid_index, sq_psn=0x1111)
-        b.connect(v.RCEndpoint(a.qp_num, dev.gid, 0x1111), sgid_index=dev.gid_index, sq_psn=0x2222)
+        a.connect(v.RCEndpoint(b.qp_num, dev.gid, 0x2222), sgid_index=dev.gid_index, sq_psn=0x1111, access=FULL_ACCESS)
+        b.connect(v.RCEndpoint(a.qp_num, dev.gid, 0x1111), sgid_index=dev.gid_index, sq_psn=0x2222, access=FULL_ACCESS)
         assert a.state == v.QPState.RTS and b.state == v.QPState.RTS
     return loop
 
@@ -652,8 +661,8 @@ def test_scalar_fast_paths_post_send_imm_and_post_recv_one(loop: Loop) -> None:
     b.qp.post_recv_one(b.mr.addr, 4096, b.mr.lkey, 21)
     b.qp.post_recv_one(b.mr.addr + 4096, 4096, b.mr.lkey, 22)
     a.mr.write(0, b"fast")
-    a.qp.post_send_imm(31, a.mr.addr, 4, a.mr.lkey, 0xCAFEF00D, True)
-    a.qp.post_send_imm(32, 0, 0, 0, 0x80000001, True)  # no payload: a credit-only SEND
+    a.qp.post_send_imm(31, a.mr.addr, 4, a.mr.lkey, 0xCAFEF00D, int(v.SendFlags.SIGNALED))
+    a.qp.post_send_imm(32, 0, 0, 0, 0x80000001, int(v.SendFlags.SIGNALED))  # no payload: a credit-only SEND
     assert [(w.wr_id, w.opcode, w.ok) for w in wait_wcs(a.cq, 2)] == [(31, v.WCOpcode.SEND, True),
                                                                       (32, v.WCOpcode.SEND, True)]  # fmt: skip
     r1, r2 = wait_wcs(b.cq, 2)
@@ -665,8 +674,8 @@ def test_scalar_fast_paths_post_send_imm_and_post_recv_one(loop: Loop) -> None:
 def test_unsignaled_post_send_imm_is_completed_by_a_later_signaled_one(loop: Loop) -> None:
     a, b = loop.a, loop.b
     b.qp.post_recv_batch([b.mr.addr] * 2, [64, 64], b.mr.lkey, [1, 2])
-    a.qp.post_send_imm(41, 0, 0, 0, 1, False)
-    a.qp.post_send_imm(42, 0, 0, 0, 2, True)
+    a.qp.post_send_imm(41, 0, 0, 0, 1, 0)
+    a.qp.post_send_imm(42, 0, 0, 0, 2, int(v.SendFlags.SIGNALED))
     (s,) = wait_wcs(a.cq, 1)
     assert s.wr_id == 42 and s.ok
     assert [w.imm_data for w in wait_wcs(b.cq, 2)] == [1, 2]
@@ -677,7 +686,7 @@ def test_scalar_fast_paths_report_errors(dev: Dev) -> None:
     qp = lp.a.qp
     lp.close()
     with pytest.raises(RDMAError) as es:
-        qp.post_send_imm(1, 0, 0, 0, 0, True)  # closed
+        qp.post_send_imm(1, 0, 0, 0, 0, int(v.SendFlags.SIGNALED))  # closed
     with pytest.raises(RDMAError) as er:
         qp.post_recv_one(0, 0, 0, 1)
     assert (es.value.call, er.value.call) == ("ibv_post_send", "ibv_post_recv")
@@ -686,7 +695,7 @@ def test_scalar_fast_paths_report_errors(dev: Dev) -> None:
 def test_wcarray_entries_match_the_accessors(loop: Loop) -> None:
     a, b = loop.a, loop.b
     b.qp.post_recv_batch([b.mr.addr, b.mr.addr + 4096], [4096, 4096], b.mr.lkey, [(5 << 32) | 1, 2])
-    a.qp.post_send_imm(7, a.mr.addr, 3, a.mr.lkey, 0xFFFFFFFF, True)
+    a.qp.post_send_imm(7, a.mr.addr, 3, a.mr.lkey, 0xFFFFFFFF, int(v.SendFlags.SIGNALED))
     a.qp.post_send(v.SendWR(v.Opcode.SEND, wr_id=8, addr=a.mr.addr, length=5, lkey=a.mr.lkey))
     wait_wcs(a.cq, 2)
     arr = v.WCArray(8)
@@ -695,11 +704,12 @@ def test_wcarray_entries_match_the_accessors(loop: Loop) -> None:
     while n == 0 and time.monotonic() < deadline:
         n = b.cq.poll_spin_into(arr, 2_000_000, 2)
     entries = arr.entries(n)
-    for i, (wr_id, status, byte_len, imm) in enumerate(entries):
-        assert (wr_id, status, byte_len) == (arr.wr_id(i), arr.status(i), arr.byte_len(i))
+    for i, (wr_id, status, opcode, byte_len, imm, qp_num) in enumerate(entries):
+        assert (wr_id, status, opcode, byte_len) == (arr.wr_id(i), arr.status(i), arr.opcode(i), arr.byte_len(i))
         assert imm == (-1 if arr.imm_data(i) is None else arr.imm_data(i))
+        assert qp_num == b.qp.qp_num
     rest = wait_wcs(b.cq, 2 - n)
-    got = [(e[0], e[2], e[3]) for e in entries] + [(w.wr_id, w.byte_len, -1 if w.imm_data is None else w.imm_data)
+    got = [(e[0], e[3], e[4]) for e in entries] + [(w.wr_id, w.byte_len, -1 if w.imm_data is None else w.imm_data)
                                                   for w in rest]  # fmt: skip
     assert got == [((5 << 32) | 1, 3, 0xFFFFFFFF), (2, 5, -1)]
     assert arr.entries(0) == []
