@@ -28,6 +28,7 @@ from ._core import Core
 from ._errors import LocalProtocolError
 from ._links import AsyncioLink
 from ._negotiate import local_offer
+from ._rdma.config import RdmaBackend
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
 __all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
@@ -338,13 +339,16 @@ async def open_connection(
     server_hostname: str | None = None,
     limit: int = _DEFAULT_LIMIT,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: RdmaBackend | None = None,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
     Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
     ``readuntil``/``readline`` limit as in asyncio.
     """
-    opts = make_options(transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False)
+    opts = make_options(
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+    )
     try:
         core = await _open(host, port, Mode.STREAM, opts)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
@@ -415,11 +419,14 @@ async def start_server(
     backlog: int = 100,
     start_serving: bool = True,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: RdmaBackend | None = None,
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
     runs (in a task) for each client once its handshake completed."""
-    opts: Options = make_options(transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True)
-    local_offer(opts.transport, "server", tls=ssl is not None)  # strict policy: fail now
+    opts: Options = make_options(
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+    )
+    local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 

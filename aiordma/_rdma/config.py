@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from .constants import GidEntry
 from .discovery import Probe
+from .params import RdmaParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from .device import VerbsProvider
@@ -107,4 +108,8 @@ class RdmaBackend:
 
     async def probe_delay(self) -> None:
         """Called while the path probe is outstanding (tests make it hang)."""
+
+    def hello_params(self, params: RdmaParams) -> RdmaParams:
+        """What our HELLO announces (tests announce a wrong GID)."""
+        return params
 

@@ -93,6 +93,12 @@ def _gid_of(ip: str) -> bytes:
     return ipaddress.IPv6Address("::ffff:" + str(mapped)).packed if mapped is not None else addr.packed
 
 
+def _readable_gid(gid: bytes) -> str:
+    address = ipaddress.IPv6Address(gid)
+    mapped = address.ipv4_mapped
+    return f"::ffff:{mapped}" if mapped is not None else str(address)
+
+
 class RdmaLink(Link):
     """One connection's QP, session and rings (see the module docs)."""
 
@@ -119,6 +125,7 @@ class RdmaLink(Link):
         self._close_task: asyncio.Task[None] | None = None
         self._step = "device"
         self.qp_num = 0
+        self._active = False
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -180,7 +187,7 @@ class RdmaLink(Link):
     def params(self) -> RdmaParams:
         """What our HELLO tells the peer."""
         cfg = self.config
-        return RdmaParams(
+        return self.backend.hello_params(RdmaParams(
             gid=self.gid_entry.gid.packed,
             qp_num=self.qp_num,
             psn=self.psn,
@@ -188,7 +195,7 @@ class RdmaLink(Link):
             window=cfg.window,
             control=cfg.control,
             buffer_size=cfg.buffer_size,
-        )
+        ))  # fmt: skip
 
     def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
         """RTR and RTS towards the peer's QP (steps ``params``, ``rtr``, ``rts``)."""
@@ -214,7 +221,7 @@ class RdmaLink(Link):
         if peer.gid != _gid_of(peer_ip):
             raise RdmaSetupError(
                 "params",
-                f"the peer's GID {ipaddress.IPv6Address(peer.gid)} is not its TCP address {peer_ip} "
+                f"the peer's GID {_readable_gid(peer.gid)} is not its TCP address {peer_ip} "
                 "(a QP is only ever aimed at the host on the other end of the handshake)",
             )
         self.peer = peer
@@ -258,6 +265,7 @@ class RdmaLink(Link):
         self.control = control
         self.core = core
         session.activate()
+        self._active = True
         core.link = self
         core.transport = "rdma"
         core.fallback_reason = ""
@@ -315,7 +323,7 @@ class RdmaLink(Link):
         session = self.session
         assert session is not None
         had_error = session.error is not None
-        if session.state is LinkState.SETUP:
+        if not self._active:  # set-up (the probe's completion; early SENDs are kept), or abandoned
             session.on_completions(entries, 0)
         else:
             core = self.core
@@ -370,7 +378,7 @@ class RdmaLink(Link):
         session = self.session
         assert session is not None
         error = session.error
-        core = getattr(self, "core", None)
+        core = self.core if self._active else None
         if core is not None and error is not None and core.error is None and not core.closed:
             core.on_error(error)
 
@@ -393,11 +401,19 @@ class RdmaLink(Link):
     async def wait_incoming(self) -> None:
         if self._finished():
             return
-        await self._wait()
+        await self.incoming()
 
     def incoming(self) -> Awaitable[None]:
         if self._finished():
             return self.wait_incoming()
+        session = self.session
+        if session is not None and session.withheld:
+            # a reader waits although much is buffered (a long line, a large
+            # message): it wants more, so the peer gets its credits back
+            session.consumed(0)
+            work = session.flush()
+            if work:
+                self._post_send(work)
         return self._wait()
 
     def consumed(self) -> None:
