@@ -347,3 +347,278 @@ async def test_tiny_window_exercises_credits_both_ways(anyio_backend: Any, env: 
                         assert back == [bytes([size % 251]) * size for size in reversed(sizes)]
                         assert await channel.receive() == b"all good"
                 tg.cancel_scope.cancel()
+
+
+# -- the defects of the first RDMA transport, each with its test --------------------------------
+
+
+@asynccontextmanager
+async def stream_pair_on(
+    env: Env, client_config: RdmaConfig | None = None, server_config: RdmaConfig | None = None
+) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stream]]:
+    send, receive = anyio.create_memory_object_stream[Any](1)
+    async with await aiordma.create_listener(
+        env.host, 0, transport="rdma", rdma_backend=env.backend(config=server_config)
+    ) as listener, send, receive:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, send.send)
+            client = await aiordma.connect(
+                env.host, listener.port, transport="rdma", rdma_backend=env.backend(config=client_config)
+            )
+            server = await receive.receive()
+            tg.cancel_scope.cancel()
+    try:
+        yield client, server
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.aclose()
+            await server.aclose()
+
+
+async def _read_n(stream: aiordma.Stream, n: int) -> bytes:
+    parts = []
+    while n:
+        chunk = await stream.receive(min(n, 1 << 20))
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+async def test_full_duplex_with_a_late_reader_finishes(anyio_backend: Any, env: Env) -> None:
+    """B1: both sides send 8 MiB before reading, the client's reader starts 0.2 s late.
+    The first transport spun in the credit wait and froze the loop; now senders wait."""
+    size = 8 << 20 if env.kind == "sim" else 2 << 20
+    a_data, b_data = os.urandom(size), os.urandom(size)
+    got: dict[str, bytes] = {}
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+
+        async def late_reader() -> None:
+            await anyio.sleep(0.2)
+            got["a"] = await _read_n(a, size)
+
+        async def reader() -> None:
+            got["b"] = await _read_n(b, size)
+
+        with anyio.fail_after(60 if env.kind == "sim" else 300):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.send, a_data)
+                tg.start_soon(b.send, b_data)
+                tg.start_soon(late_reader)
+                tg.start_soon(reader)
+    assert got["a"] == b_data and got["b"] == a_data
+
+
+async def test_a_timeout_fires_while_a_send_waits_for_a_peer_that_never_reads(anyio_backend: Any, env: Env) -> None:
+    async with no_fd_leak(), stream_pair_on(env) as (a, _b):
+        started = time.monotonic()
+        with anyio.move_on_after(0.5) as scope:
+            await a.send(bytes(32 << 20))
+        assert scope.cancelled_caught
+        assert time.monotonic() - started < 5  # the loop kept running: the deadline could fire
+
+
+@pytest.mark.parametrize(
+    ("client", "server"),
+    [
+        (None, RdmaConfig(window=256, buffer_size=4096)),
+        (RdmaConfig(window=256, buffer_size=4096), None),
+        (RdmaConfig(window=1, control=1, buffer_size=256), RdmaConfig(window=64, control=4, buffer_size=1 << 20)),
+    ],
+    ids=["big-window-server", "big-window-client", "tiny-vs-huge"],
+)
+async def test_peers_with_other_configs(
+    anyio_backend: Any, env: Env, client: RdmaConfig | None, server: RdmaConfig | None
+) -> None:
+    """B2: the send queue is sized by what was granted and bounded by the session, whatever the peer posts."""
+    data = os.urandom(3 << 20)
+    async with no_fd_leak(), stream_pair_on(env, client, server) as (a, b):
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.send, data)
+                tg.start_soon(b.send, data[::-1])
+                assert await _read_n(b, len(data)) == data
+                assert await _read_n(a, len(data)) == data[::-1]
+
+
+def _link(stream: aiordma.Stream) -> Any:
+    return stream._core.link
+
+
+async def test_a_peer_that_over_returns_credits_fails_only_itself(anyio_backend: Any, env: Env) -> None:
+    """B3: the victim's connection breaks with a typed cause, aclose() raises nothing, nothing leaks."""
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+        credits = _link(a).session.credits
+        credits.to_return = 5  # a broken peer: returns credits it does not owe
+        credits.peer_available = 0
+        await a.send(b"hostile")
+        with anyio.fail_after(10):
+            with pytest.raises(BrokenResourceError) as ei:
+                while True:
+                    await b.receive()
+        assert isinstance(ei.value.__cause__, aiordma.RemoteProtocolError)
+        assert "more credits" in str(ei.value.__cause__)
+        await b.aclose()  # must not raise
+
+
+async def test_close_is_quick_when_the_close_went_out_after_credits_came_back(anyio_backend: Any, env: Env) -> None:
+    """B4: closing right after a send that ran out of credits must not wait the close timeout."""
+    config = RdmaConfig(window=2, buffer_size=4096, close_timeout=5.0)
+    async with no_fd_leak(), stream_pair_on(env, config, config) as (a, b):
+        async with anyio.create_task_group() as tg:
+
+            async def drain_peer() -> None:
+                await anyio.sleep(0.2)
+                assert await _read_n(b, 100_000) == bytes(100_000)
+
+            tg.start_soon(drain_peer)
+            with anyio.fail_after(30):
+                await a.send(bytes(100_000))
+            started = time.monotonic()
+            await a.aclose()
+            assert time.monotonic() - started < 2.5, "aclose waited for a completion never asked for"
+
+
+@pytest.mark.parametrize("fault", ["write_with_imm", "credit_with_payload"])
+async def test_hostile_completions_break_only_the_offending_connection(anyio_backend: Any, env: Env, fault: str) -> None:
+    """B6: an RDMA WRITE with immediate, or a credit-only SEND with a payload, is refused;
+    another connection on the same device goes on."""
+    from aiordma._rdma.constants import Opcode, SendWR
+
+    async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
+        link = _link(a)
+        if fault == "write_with_imm":
+            wr = SendWR(Opcode.RDMA_WRITE_WITH_IMM, wr_id=(1 << 63) | 7, imm_data=0)
+        else:
+            mr = link.send_mr
+            wr = SendWR(Opcode.SEND_WITH_IMM, wr_id=(1 << 63) | 7, addr=mr.addr, length=16, lkey=mr.lkey,
+                        imm_data=1 << 31 | 1)  # fmt: skip
+        link.qp.post_send(wr)
+        with anyio.fail_after(10):
+            with pytest.raises(BrokenResourceError) as ei:
+                while True:
+                    await b.receive()
+        assert isinstance(ei.value.__cause__, aiordma.RemoteProtocolError), ei.value.__cause__
+        await c.send(b"still here")
+        assert await d.receive() == b"still here"
+
+
+async def test_asyncio_api_raises_asyncio_errors_over_rdma(anyio_backend: Any, env: Env) -> None:
+    """B5: StreamWriter.drain() raises ConnectionResetError, not anyio's errors, when the RDMA link broke."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("aiordma.asyncio runs on asyncio (and uvloop) only")
+    if env.fabric is None:
+        pytest.skip("needs the simulated wire's fault knobs")
+    served = anyio.Event()
+
+    async def handler(reader: aiordma.asyncio.StreamReader, writer: aiordma.asyncio.StreamWriter) -> None:
+        served.set()
+        with pytest.raises(ConnectionResetError):
+            await reader.read()  # our QP is "dead": the client's TCP close ends us without a CLOSE
+        writer.close()
+
+    async with no_fd_leak():
+        server = await aiordma.asyncio.start_server(handler, env.host, 0, transport="rdma", rdma_backend=env.backend())
+        async with server:
+            reader, writer = await aiordma.asyncio.open_connection(
+                env.host, server.addresses[0][1], transport="rdma", rdma_backend=env.backend()
+            )
+            await served.wait()
+            env.fabric.kill_qp(writer._link.peer.qp_num)  # the server's QP vanishes as a dead host would
+            with anyio.fail_after(10):
+                with pytest.raises(ConnectionResetError):
+                    for _ in range(100):
+                        writer.write(bytes(1 << 20))  # never raises
+                        await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+
+
+async def test_a_fatal_async_event_breaks_only_its_connection(anyio_backend: Any, env: Env) -> None:
+    if env.fabric is None:
+        pytest.skip("needs the simulated wire's fault knobs")
+    async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
+        link = _link(b)
+        env.fabric.post_async_event(link.gid_entry.device, 1, qp_num=link.qp_num)  # IBV_EVENT_QP_FATAL
+        with anyio.fail_after(10):
+            with pytest.raises(BrokenResourceError):
+                await b.receive()
+        await c.send(b"unaffected")
+        assert await d.receive() == b"unaffected"
+
+
+async def test_killed_qp_breaks_the_stream(anyio_backend: Any, env: Env) -> None:
+    """The peer's QP vanishes (a dead host): our operations fail, never hang."""
+    if env.fabric is None:
+        pytest.skip("needs the simulated wire's fault knobs")
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+        env.fabric.kill_qp(_link(b).qp_num)
+        with anyio.fail_after(10):
+            with pytest.raises(BrokenResourceError):
+                for _ in range(100):
+                    await a.send(bytes(1 << 16))
+
+
+async def test_many_connections_share_one_device(anyio_backend: Any, env: Env) -> None:
+    async with no_fd_leak():
+        async with anyio.create_task_group() as tg:
+            results: list[bool] = []
+
+            async def one(i: int) -> None:
+                async with stream_pair_on(env) as (a, b):
+                    payload = os.urandom(1000 + i * 997)
+                    await a.send(payload)
+                    results.append(await _read_n(b, len(payload)) == payload)
+
+            with anyio.fail_after(60):
+                for i in range(12):
+                    tg.start_soon(one, i)
+        assert results == [True] * 12
+        assert env.live()["contexts"] == 0
+
+
+async def test_closing_while_another_task_waits_to_receive(anyio_backend: Any, env: Env) -> None:
+    """B7: a task parked in receive() is woken by aclose() with ClosedResourceError."""
+    async with no_fd_leak(), stream_pair_on(env) as (a, _b):
+        errors: list[BaseException] = []
+
+        async def parked() -> None:
+            try:
+                await a.receive()
+            except BaseException as exc:
+                errors.append(exc)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(parked)
+                await anyio.sleep(0.05)
+                await a.aclose()
+        assert len(errors) == 1 and isinstance(errors[0], ClosedResourceError)
+
+
+async def test_a_busy_receiver_yields_to_other_tasks(anyio_backend: Any, env: Env) -> None:
+    """B12: with data always buffered, receive() still checkpoints: another task gets to run."""
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+        await a.send(bytes(200_000))
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await _read_n(b, 200_000) if False else None
+            for _ in range(50):
+                await b.receive(1)
+            tg.cancel_scope.cancel()
+        assert ticks >= 25
+
+
+async def test_typed_memoryviews_are_framed_by_bytes(anyio_backend: Any, env: Env) -> None:
+    """B13 over RDMA (the conformance suite has it for every transport)."""
+    values = array("I", range(1 << 18))  # 1 MiB of 4-byte items
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+        await a.send(memoryview(values))
+        assert await _read_n(b, len(values) * 4) == values.tobytes()

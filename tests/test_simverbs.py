@@ -625,10 +625,10 @@ def test_kill_qp(pair: tuple[Side, Side], fab: SimFabric) -> None:
     assert a.poll() == [(3, WCStatus.RETRY_EXC_ERR, WCOpcode.SEND, 0, -1, a.qp.qp_num),
                         (2, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, -1, a.qp.qp_num)]  # fmt: skip
     assert a.qp.state == QPState.ERR
-    # the dead side generates nothing, not even flushes
+    # the dead side receives nothing; its own sends fail and its teardown gets its flushes
     b.qp.post_send(SendWR(Opcode.SEND, wr_id=4, addr=b.mr.addr, length=8, lkey=b.mr.lkey))
     b.qp.to_error()
-    assert b.poll() == []
+    assert [(w[0], w[1]) for w in b.poll()] == [(4, WCStatus.RETRY_EXC_ERR), (1, WCStatus.WR_FLUSH_ERR)]
 
 
 def test_closed_qp_is_unknown_to_the_fabric(pair: tuple[Side, Side]) -> None:

@@ -421,7 +421,8 @@ class SimFabric:
 
     def kill_qp(self, qp_num: int) -> None:
         """The QP vanishes as its host would: traffic towards it fails with RETRY_EXC_ERR at the
-        requester, and it generates nothing any more (its posts are swallowed, nothing completes)."""
+        requester and it receives nothing any more.  Its own side (in this process) still
+        gets what its teardown needs: its sends fail (RETRY_EXC_ERR), its receives flush."""
         self._killed.add(qp_num)
         qp = self._qps.get(qp_num)
         if qp is not None and qp._held:
@@ -1007,8 +1008,6 @@ class SimQueuePair(_SimResource):
         """Post one receive WR; returns 0 or the errno refusing it."""
         if self._state == QPState.RESET or length < 0:
             return errno.EINVAL
-        if self.qp_num in self._fabric._killed:
-            return 0
         if self._state == QPState.ERR:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
         elif len(self._recvs) >= self.caps.max_recv_wr:
@@ -1038,7 +1037,9 @@ class SimQueuePair(_SimResource):
         w = _Work(op, wr_id, addr, length, lkey, raddr, rkey, imm, self._sq_sig_all or bool(flags & SIGNALED),
                   bool(flags & SOLICITED), data, self._sq_posted)  # fmt: skip
         if self.qp_num in fab._killed:
-            pass  # a dead host's posts go nowhere
+            # the dead host's side (in this process): its sends reach no one
+            self._send_done(w, WCStatus.RETRY_EXC_ERR)
+            self._enter_error()
         elif self._state == QPState.ERR:
             self._send_done(w, WCStatus.WR_FLUSH_ERR)
         else:
@@ -1070,8 +1071,6 @@ class SimQueuePair(_SimResource):
 
     def _send_done(self, w: _Work, status: int) -> None:
         if status == _OK and not w.signaled:
-            return
-        if self.qp_num in self._fabric._killed:
             return
         c = _Completion(w.wr_id, status, _WC_OF[Opcode(w.op)], w.length if status == _OK else 0, -1, self.qp_num,
                         qp=self, sq_seq=w.seq)  # fmt: skip
@@ -1137,7 +1136,8 @@ class SimQueuePair(_SimResource):
 
     def _recv_done(self, wr_id: int, status: int, opcode: int = WCOpcode.RECV, byte_len: int = 0, imm: int = -1,
                    src_qp: int = 0, solicited: bool = False) -> None:  # fmt: skip
-        if self.qp_num not in self._fabric._killed:
+        if self.qp_num not in self._fabric._killed or status == WCStatus.WR_FLUSH_ERR:
+            # a killed QP receives nothing any more; its own teardown still gets its flushes
             self.recv_cq._push(_Completion(wr_id, status, opcode, byte_len, imm, self.qp_num, src_qp=src_qp,
                                            solicited=solicited))  # fmt: skip
 
