@@ -32,6 +32,7 @@ from ._links import AsyncioLink, StreamLink
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from ._rdma.config import RdmaBackend
+from ._rdma.device import DeviceHold
 
 __all__ = [
     "Stream",
@@ -223,8 +224,10 @@ async def _discard(core: Core) -> None:
         await core.aclose()
 
 
-async def accept_handshake(core: Core, opts: Options) -> bool:
-    """Run a server's handshake; a client that fails it is logged and dropped (False)."""
+async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> bool:
+    """Run a server's handshake; a client that fails it is logged and dropped (False).
+
+    ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
     try:
         await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend)
     except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
@@ -234,6 +237,8 @@ async def accept_handshake(core: Core, opts: Options) -> bool:
     except BaseException:
         await _discard(core)
         raise
+    if hold is not None and core.transport == "rdma":
+        hold.keep(core.link)
     return True
 
 
@@ -405,6 +410,7 @@ class _BaseListener(Generic[E]):
         self._acceptor = acceptor
         self._opts = opts
         self._closed = False
+        self._devices = DeviceHold()
 
     @property
     def addresses(self) -> list[Any]:
@@ -429,7 +435,7 @@ class _BaseListener(Generic[E]):
             raise anyio.ClosedResourceError
 
         async def handle(link: Link) -> None:
-            if await accept_handshake(link.core, self._opts):
+            if await accept_handshake(link.core, self._opts, self._devices):
                 await handler(self._wrap(link.core))
 
         if task_group is None:
@@ -443,6 +449,7 @@ class _BaseListener(Generic[E]):
         if not self._closed:
             self._closed = True
             await self._acceptor.aclose()
+            self._devices.release()
 
     def _listener_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         addresses = self.addresses

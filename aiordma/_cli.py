@@ -73,49 +73,18 @@ class Device:
     ports: list[Port] = field(default_factory=list)
 
 
-def _read(path: str) -> str | None:
-    """The stripped text of a sysfs file, or None when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().strip() or None
-    except OSError:  # missing, or EINVAL for an unpopulated GID entry
-        return None
-
-
-def _numeric_entries(path: str) -> list[int]:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    return sorted(int(name) for name in names if name.isdigit())
-
-
 def read_rdma_devices(root: str = SYSFS_IB) -> list[Device]:
-    """RDMA devices under ``root`` (sysfs), their ports and non-zero GIDs."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
+    """RDMA devices under ``root`` (sysfs), their ports and non-zero GIDs, as sysfs words them.
+
+    The one discovery (``aiordma._rdma.discovery``) reads them; this only keeps sysfs's wording."""
+    from ._rdma.discovery import list_devices
+
     devices = []
-    for name in names:
-        dev_dir = os.path.join(root, name)
-        device = Device(name, _read(os.path.join(dev_dir, "node_type")))
-        ports_dir = os.path.join(dev_dir, "ports")
-        for number in _numeric_entries(ports_dir):
-            port_dir = os.path.join(ports_dir, str(number))
-            port = Port(number, _read(os.path.join(port_dir, "state")), _read(os.path.join(port_dir, "link_layer")))
-            for index in _numeric_entries(os.path.join(port_dir, "gids")):
-                gid = _read(os.path.join(port_dir, "gids", str(index)))
-                if gid is None or gid == ZERO_GID:
-                    continue
-                port.gids.append(
-                    Gid(
-                        index,
-                        _readable_gid(gid),
-                        _read(os.path.join(port_dir, "gid_attrs", "types", str(index))),
-                        _read(os.path.join(port_dir, "gid_attrs", "ndevs", str(index))),
-                    )
-                )
+    for info in list_devices(sysfs_root=root, query_verbs=False):
+        device = Device(info.name, info.node_type)
+        for p in info.ports:
+            port = Port(p.port, p.state_text, p.link_layer_text)
+            port.gids = [Gid(g.index, _readable_gid(str(g.gid)), g.type_text, g.netdev) for g in p.gids]
             device.ports.append(port)
         devices.append(device)
     return devices

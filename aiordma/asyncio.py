@@ -29,6 +29,7 @@ from ._errors import LocalProtocolError
 from ._links import AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
+from ._rdma.device import DeviceHold
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
 __all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
@@ -368,9 +369,10 @@ class Server:
     connection is closed.
     """
 
-    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]], devices: DeviceHold) -> None:
         self._server = server
         self._tasks = tasks
+        self._devices = devices
 
     @property
     def sockets(self) -> tuple[Any, ...]:
@@ -394,6 +396,7 @@ class Server:
 
     def close(self) -> None:
         self._server.close()
+        self._devices.release()
 
     async def wait_closed(self) -> None:
         await self._server.wait_closed()
@@ -429,10 +432,11 @@ async def start_server(
     local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
+    devices = DeviceHold()
 
     async def serve_one(link: AsyncioLink) -> None:
         core = link.core
-        if not await accept_handshake(core, opts):
+        if not await accept_handshake(core, opts, devices):
             return
         reader, writer = _pair(core, limit)
         try:
@@ -463,4 +467,4 @@ async def start_server(
         backlog=backlog,
         start_serving=start_serving,
     )
-    return Server(server, tasks)
+    return Server(server, tasks, devices)

@@ -234,6 +234,7 @@ class GidEntry:
     gid: ipaddress.IPv6Address
     gid_type: str
     netdev: str | None
+    type_text: str | None = None  # as sysfs has it ("RoCE v2"), when read from sysfs
 
     @property
     def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -32,7 +32,7 @@ from .constants import GidEntry
 from .discovery import Probe
 from .poller import Poller
 
-__all__ = ["Device", "VerbsProvider", "acquire_device", "open_devices"]
+__all__ = ["Device", "DeviceHold", "VerbsProvider", "acquire_device", "open_devices"]
 
 log = logging.getLogger("aiordma")
 
@@ -223,3 +223,23 @@ class Device:
 
 _FATAL_QP_EVENTS = frozenset({"IBV_EVENT_QP_FATAL", "IBV_EVENT_QP_REQ_ERR", "IBV_EVENT_QP_ACCESS_ERR"})
 _FATAL_DEVICE_EVENTS = frozenset({"IBV_EVENT_DEVICE_FATAL", "IBV_EVENT_CQ_ERR", "IBV_EVENT_PORT_ERR"})
+
+
+class DeviceHold:
+    """The devices a listener keeps open while it listens: its RDMA connections come and go,
+    and each new one then finds the device (and its cached regions) ready instead of
+    opening it again.  :meth:`release` when the listener closes."""
+
+    def __init__(self) -> None:
+        self._held: list[Device] = []
+
+    def keep(self, link: object) -> None:
+        device = getattr(link, "device", None)
+        if isinstance(device, Device) and not device.closed and device not in self._held:
+            device.refs += 1
+            self._held.append(device)
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for device in held:
+            device.release()

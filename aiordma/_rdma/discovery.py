@@ -38,6 +38,8 @@ class PortInfo:
     active_mtu: int | None  # bytes; None when verbs could not be asked
     max_mtu: int | None
     gids: tuple[GidEntry, ...]
+    state_text: str | None = None  # as sysfs has it ("4: ACTIVE")
+    link_layer_text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class DeviceInfo:
     name: str
     node_guid: str
     ports: tuple[PortInfo, ...]
+    node_type: str | None = None  # as sysfs has it ("1: CA")
 
 
 def _read(path: str) -> str | None:
@@ -82,9 +85,10 @@ def _read_gids(sysfs_root: str, dev: str, port: int, link_layer: str) -> tuple[G
             continue
         if gid.packed == bytes(16):
             continue
-        gtype = _gid_type(_read(os.path.join(base, "gid_attrs", "types", name)), link_layer)
+        type_text = _read(os.path.join(base, "gid_attrs", "types", name))
+        gtype = _gid_type(type_text, link_layer)
         ndev = _read(os.path.join(base, "gid_attrs", "ndevs", name)) or None
-        out.append(GidEntry(dev, port, int(name), gid, gtype, ndev))
+        out.append(GidEntry(dev, port, int(name), gid, gtype, ndev, type_text))
     return tuple(out)
 
 
@@ -125,16 +129,18 @@ def list_devices(*, sysfs_root: str = SYSFS_IB, query_verbs: bool = True) -> lis
             port_names = []
         for p in port_names:
             base = os.path.join(sysfs_root, dev, "ports", str(p))
-            state_raw = _read(os.path.join(base, "state")) or ""
-            state = state_raw.split(":", 1)[-1].strip() or "UNKNOWN"
-            link_layer = _read(os.path.join(base, "link_layer")) or "Unspecified"
+            state_text = _read(os.path.join(base, "state"))
+            state = (state_text or "").split(":", 1)[-1].strip() or "UNKNOWN"
+            link_layer_text = _read(os.path.join(base, "link_layer"))
+            link_layer = link_layer_text or "Unspecified"
             active, maxm = mtus.get(p, (None, None))
             if verbs_gids is not None:
                 gids = tuple(g for g in verbs_gids if g.port == p)
             else:
                 gids = _read_gids(sysfs_root, dev, p, link_layer)
-            ports.append(PortInfo(p, state, link_layer, active, maxm, gids))
-        result.append(DeviceInfo(dev, _read(os.path.join(sysfs_root, dev, "node_guid")) or "", tuple(ports)))
+            ports.append(PortInfo(p, state, link_layer, active, maxm, gids, state_text, link_layer_text))
+        node_guid = _read(os.path.join(sysfs_root, dev, "node_guid")) or ""
+        result.append(DeviceInfo(dev, node_guid, tuple(ports), _read(os.path.join(sysfs_root, dev, "node_type"))))
     return result
 
 

@@ -34,7 +34,6 @@ cause), and what the session calls the peer's fault is a
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -51,9 +50,10 @@ from .._errors import RDMAError, RemoteProtocolError
 from .._io import IOBackend, Watch, current_io
 from .._protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
-from .constants import MTU_TO_ENUM, Access, Opcode, SendWR
+from . import qp as qp_setup
+from .constants import MTU_TO_ENUM, Opcode, SendWR
 from .device import Device, acquire_device
-from .params import MTU_BYTES, RdmaParams
+from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
 
@@ -83,20 +83,6 @@ def local_ip_of(link: Link) -> str | None:
 def peer_ip_of(link: Link) -> str | None:
     """The peer's IP address of a link's TCP socket."""
     return _address(link, SocketAttribute.remote_address)
-
-
-def _gid_of(ip: str) -> bytes:
-    addr = ipaddress.ip_address(ip)
-    if isinstance(addr, ipaddress.IPv4Address):
-        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
-    mapped = addr.ipv4_mapped
-    return ipaddress.IPv6Address("::ffff:" + str(mapped)).packed if mapped is not None else addr.packed
-
-
-def _readable_gid(gid: bytes) -> str:
-    address = ipaddress.IPv6Address(gid)
-    mapped = address.ipv4_mapped
-    return f"::ffff:{mapped}" if mapped is not None else str(address)
 
 
 class RdmaLink(Link):
@@ -162,14 +148,11 @@ class RdmaLink(Link):
         self.device = device = acquire_device(self.io, provider, entry.device)
         self._enter("resources")
         buffers = cfg.window + cfg.control
-        want_sq = cfg.window + cfg.control + 4
-        self.qp = qp = device.pd.create_qp(device.cq, max_send_wr=want_sq, max_recv_wr=buffers)
+        self.qp, self._cq_reserved = qp, _ = qp_setup.create_qp(device, cfg)
         self.qp_num = int(qp.qp_num)
         caps = qp.caps
-        self._cq_reserved = int(caps.max_send_wr) + int(caps.max_recv_wr)
-        device.reserve_cq(self._cq_reserved)
         self._enter("init")
-        qp.to_init(entry.port, access=Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        qp_setup.to_init(qp, entry)
         self._enter("memory")
         self.recv_mr = device.take_region(buffers * cfg.buffer_size)
         ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
@@ -213,23 +196,11 @@ class RdmaLink(Link):
         session, qp, device = self.session, self.qp, self.device
         assert session is not None and device is not None
         self._enter("params")
-        if peer_raw is None:
-            raise RdmaSetupError("params", "the peer sent no RDMA parameters")
-        peer = RdmaParams.decode(peer_raw)
-        if peer_ip is None:
-            raise RdmaSetupError("params", "the TCP peer has no IP address to check the peer's GID against")
-        if peer.gid != _gid_of(peer_ip):
-            raise RdmaSetupError(
-                "params",
-                f"the peer's GID {_readable_gid(peer.gid)} is not its TCP address {peer_ip} "
-                "(a QP is only ever aimed at the host on the other end of the handshake)",
-            )
-        self.peer = peer
+        self.peer = peer = qp_setup.check_peer(peer_raw, peer_ip)
         self._enter("rtr")
-        qp.to_rtr(peer.qp_num, peer.gid, sgid_index=self.gid_entry.index, rq_psn=peer.psn,
-                  path_mtu=min(self.mtu, MTU_BYTES[peer.mtu]), port_num=self.gid_entry.port)  # fmt: skip
+        qp_setup.rtr(qp, self.gid_entry, peer, self.mtu)
         self._enter("rts")
-        qp.to_rts(self.psn, timeout=cfg.qp_timeout, retry_cnt=cfg.retry_cnt, rnr_retry=cfg.rnr_retry)
+        qp_setup.rts(qp, self.psn, cfg)
         slot = min(peer.buffer_size, cfg.buffer_size)
         self.send_mr = device.take_region(cfg.window * slot)
         ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)

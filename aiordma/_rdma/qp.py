@@ -1,0 +1,88 @@
+"""Bringing one RC queue pair up, and the checks that decide whether it may be.
+
+These are the verbs-facing steps of a connection's set-up, each a named step
+of the fallback reasons (``docs/architecture.md``):
+
+* :func:`create_qp` (``resources``): an RC QP on the device's shared CQ, its
+  queue depths reserved from the CQ's budget, as the *granted* caps say;
+* :func:`to_init` (``init``): access flags -- local write, and remote WRITE
+  only so that the zero-length path probe is answered (no region grants
+  remote access, so no WRITE or READ of any length touches our memory);
+* :func:`check_peer` (``params``): the peer's parameters are valid and its
+  GID is the TCP peer's address, so a HELLO cannot aim our QP at a third host;
+* :func:`rtr`, :func:`rts` (steps ``rtr``, ``rts``): RTR towards the peer, then RTS with
+  finite retries (a dead peer surfaces as a failed completion, never a hang).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from .config import RdmaConfig, RdmaSetupError
+from .constants import Access, GidEntry
+from .device import Device
+from .params import MTU_BYTES, RdmaParams
+
+__all__ = ["create_qp", "to_init", "check_peer", "rtr", "rts", "gid_of", "readable_gid", "QP_ACCESS"]
+
+#: what a connection's QP allows its peer (see the module docs)
+QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+
+
+def gid_of(ip: str) -> bytes:
+    """The RoCEv2 GID of an IP address (``::ffff:a.b.c.d`` for IPv4)."""
+    addr = ipaddress.ip_address(ip)
+    if isinstance(addr, ipaddress.IPv4Address):
+        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
+    mapped = addr.ipv4_mapped
+    return ipaddress.IPv6Address("::ffff:" + str(mapped)).packed if mapped is not None else addr.packed
+
+
+def readable_gid(gid: bytes) -> str:
+    address = ipaddress.IPv6Address(gid)
+    mapped = address.ipv4_mapped
+    return f"::ffff:{mapped}" if mapped is not None else str(address)
+
+
+def create_qp(device: Device, config: RdmaConfig) -> tuple[Any, int]:
+    """A QP for ``config`` on the device's CQ; returns it and the CQ entries reserved for it."""
+    buffers = config.window + config.control
+    qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers)
+    reserved = int(qp.caps.max_send_wr) + int(qp.caps.max_recv_wr)
+    try:
+        device.reserve_cq(reserved)
+    except BaseException:
+        qp.close()
+        raise
+    return qp, reserved
+
+
+def to_init(qp: Any, entry: GidEntry) -> None:
+    qp.to_init(entry.port, access=QP_ACCESS)
+
+
+def check_peer(peer_raw: bytes | None, peer_ip: str | None) -> RdmaParams:
+    """Decode the peer's parameters and bind them to its TCP address (step ``params``)."""
+    if peer_raw is None:
+        raise RdmaSetupError("params", "the peer sent no RDMA parameters")
+    peer = RdmaParams.decode(peer_raw)  # RemoteProtocolError on anything out of range
+    if peer_ip is None:
+        raise RdmaSetupError("params", "the TCP peer has no IP address to check the peer's GID against")
+    if peer.gid != gid_of(peer_ip):
+        raise RdmaSetupError(
+            "params",
+            f"the peer's GID {readable_gid(peer.gid)} is not its TCP address {peer_ip} "
+            "(a QP is only ever aimed at the host on the other end of the handshake)",
+        )
+    return peer
+
+
+def rtr(qp: Any, entry: GidEntry, peer: RdmaParams, mtu: int) -> None:
+    qp.to_rtr(peer.qp_num, peer.gid, sgid_index=entry.index, rq_psn=peer.psn,
+              path_mtu=min(mtu, MTU_BYTES[peer.mtu]), port_num=entry.port)  # fmt: skip
+
+
+def rts(qp: Any, psn: int, config: RdmaConfig) -> None:
+    qp.to_rts(psn, timeout=config.qp_timeout, retry_cnt=config.retry_cnt, rnr_retry=config.rnr_retry)
+
