@@ -310,14 +310,17 @@ def decode_hello(payload: bytes | memoryview) -> Hello:
     )
 
 
+_JOIN: Final = b"".join  # bytes + memoryview is a TypeError; join takes any buffer
+
+
 def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     """A flat view of unsigned bytes of any buffer (``array('I')``, a numpy array, a typed
     memoryview): its ``len`` is the byte count.  A non-contiguous view is copied."""
     view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.format == "B" and view.ndim == 1:
-        return view
     if not view.c_contiguous:
         return memoryview(view.tobytes())
+    if view.format == "B" and view.ndim == 1:
+        return view
     return view.cast("B")
 
 
@@ -518,7 +521,7 @@ class Connection:
         n = len(data)
         limit = self._peer_max_frame
         if n <= COALESCE_LIMIT:
-            return [_pack_u64(_DATA_HEADER | n) + data] if n else []
+            return [_JOIN((_pack_u64(_DATA_HEADER | n), data))] if n else []
         view = memoryview(data).cast("B")
         out: list[Chunk] = []
         for pos in range(0, n, limit):
@@ -542,7 +545,7 @@ class Connection:
         if n > self._peer_max_message:
             raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {self._peer_max_message}")
         if n <= COALESCE_LIMIT:
-            return [_pack_header(_T_MESSAGE, 0, 0, n) + data]
+            return [_JOIN((_pack_header(_T_MESSAGE, 0, 0, n), data))]
         return [_pack_header(_T_MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
 
     def send_eof(self) -> bytes:

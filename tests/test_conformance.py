@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -130,6 +131,42 @@ async def test_large_transfer_intact(kind: str) -> None:
             tg.start_soon(writer)
             got = await read_to_eof(b)
         assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+
+
+FORMATS = ["B", "b", "h", "H", "i", "I", "q", "Q", "f", "d"]
+
+
+def _typed(fmt: str, raw: bytes, shape: str) -> memoryview:
+    """A view of ``raw`` (trimmed to whole items) in format ``fmt``: 1-D, 2-D, or strided (non-contiguous)."""
+    size = struct.calcsize(fmt)
+    raw = raw[: len(raw) // size * size]
+    view = memoryview(bytearray(raw)).cast(fmt)
+    if shape == "2d" and len(view) % 2 == 0 and len(view):
+        return view.cast("B").cast(fmt, [2, len(view) // 2])
+    if shape == "strided":
+        return view[::2]
+    return view
+
+
+@given(
+    items=st.lists(st.tuples(st.sampled_from(FORMATS), st.binary(max_size=20_000), st.sampled_from(["1d", "2d", "strided"])),
+                   min_size=1, max_size=6),  # fmt: skip
+)
+@HYPOTHESIS
+async def test_typed_memoryviews_are_sent_as_their_bytes(kind: str, items: list[tuple[str, bytes, str]]) -> None:
+    """B13: a view of 4-byte items is len() items but nbytes bytes: streams and channels send the bytes."""
+    views = [_typed(fmt, raw, shape) for fmt, raw, shape in items]
+    expected = [v.tobytes() for v in views]
+    async with streams(kind) as (a, b):
+        for v in views:
+            await a.send(v)  # type: ignore[arg-type]
+        total = sum(len(e) for e in expected)
+        assert await read_exactly(b, total) == b"".join(expected)
+    async with channels(kind, limit=1 << 20) as (c, d):
+        for v in views:
+            await c.send(v)  # type: ignore[arg-type]
+        for e in expected:
+            assert await d.receive() == e
 
 
 @given(sizes=st.lists(st.integers(min_value=0, max_value=SMALL_LIMIT), max_size=20), seed=st.binary(min_size=8))

@@ -636,3 +636,25 @@ async def test_typed_memoryviews_are_framed_by_bytes(anyio_backend: Any, env: En
     async with no_fd_leak(), stream_pair_on(env) as (a, b):
         await a.send(memoryview(values))
         assert await _read_n(b, len(values) * 4) == values.tobytes()
+
+
+async def test_a_refused_post_is_fatal_and_releases_everything(anyio_backend: Any, env: Env) -> None:
+    """A post that fails (here: ENOMEM with no precise count) leaves the QP in an unknown state:
+    the connection breaks with the verbs error as its cause, teardown still releases everything."""
+    import errno
+
+    from aiordma._errors import PostError
+
+    async with no_fd_leak(), stream_pair_on(env) as (a, _b):
+        qp = _link(a).qp
+
+        def refuse(*args: Any) -> None:
+            raise PostError(errno.ENOMEM, "ibv_post_send", 0, 1)
+
+        qp.post_send_imm = refuse
+        qp.post_send_batch = refuse
+        with pytest.raises(BrokenResourceError) as ei:
+            await a.send(b"x" * 100)
+        assert isinstance(ei.value.__cause__, PostError)
+        with pytest.raises(BrokenResourceError):
+            await a.send(b"again")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
@@ -234,7 +234,8 @@ class GidEntry:
     gid: ipaddress.IPv6Address
     gid_type: str
     netdev: str | None
-    type_text: str | None = None  # as sysfs has it ("RoCE v2"), when read from sysfs
+    #: as sysfs has it ("RoCE v2"), when read from sysfs (not compared: verbs does not give it)
+    type_text: str | None = field(default=None, compare=False)
 
     @property
     def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -412,6 +412,8 @@ class RdmaLink(Link):
         work = session.flush()
         if work:
             self._post_send(work)
+            if session.error is not None:
+                self._check_usable()  # the post failed: raises
         try:
             while session.posted_bytes < end:
                 self._check_usable()

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from aiordma._rdma import discovery
 from aiordma._rdma import verbs as v
 from aiordma._errors import RDMAError
 
@@ -53,7 +54,7 @@ def _pick_device() -> Dev:
     want = os.environ.get("AIORDMA_TEST_DEVICE") or next(
         (d for d in os.environ.get("AIORDMA_VM_DEVICES", "").split(",") if d), None
     )
-    for dev in v.list_devices(query_verbs=False):
+    for dev in discovery.list_devices(query_verbs=False):
         if want and dev.name != want:
             continue
         for port in dev.ports:
@@ -200,7 +201,7 @@ def test_constants_match_the_headers() -> None:
 def test_native_available_and_list_devices(dev: Dev) -> None:
     ok, why = v.native_available()
     assert ok and dev.name in why
-    devices = {d.name: d for d in v.list_devices()}
+    devices = {d.name: d for d in discovery.list_devices()}
     info = devices[dev.name]
     port = info.ports[0]
     assert port.port == PORT and port.state == "ACTIVE" and port.link_layer == "Ethernet"
@@ -209,17 +210,17 @@ def test_native_available_and_list_devices(dev: Dev) -> None:
     g = gids[dev.gid_index]
     assert g.gid_type == "RoCEv2" and g.netdev and g.ip == dev.gid.ipv4_mapped
     # the verbs GID table (ibv_query_gid_table) and the sysfs walk agree
-    sysfs = {d.name: d for d in v.list_devices(query_verbs=False)}[dev.name]
+    sysfs = {d.name: d for d in discovery.list_devices(query_verbs=False)}[dev.name]
     assert sysfs.ports[0].gids == port.gids
     assert sysfs.ports[0].active_mtu is None
-    found = v.gid_for_ip(str(g.ip))
+    found = discovery.gid_for_ip(str(g.ip))
     assert found is not None and (found.device, found.port, found.index) == (dev.name, PORT, dev.gid_index)
-    assert v.gid_for_ip("198.19.255.254") is None
+    assert discovery.gid_for_ip("198.19.255.254") is None
 
 
 @pytest.mark.skipif(os.environ.get("AIORDMA_IN_VM") != "1", reason="the guest's address plan")
 def test_guest_address_plan() -> None:
-    g = v.gid_for_ip("198.18.0.1")
+    g = discovery.gid_for_ip("198.18.0.1")
     assert g is not None and (g.device, g.index, g.netdev) == ("rxe0", 1, "veth0")
 
 
