@@ -10,8 +10,10 @@ that wait.  Each backend gives three things, in the spirit of httpcore's
   asyncio/uvloop: ``loop.add_reader`` once; trio: one system task looping on
   ``wait_readable``.  A callback must not raise (an exception is logged: a
   watcher that dies would leave its connections hanging).
-* waiters: ``new_waiter()`` gives a one-shot object, ``wake(w)`` sets it and
-  ``await wait(w)`` waits for it (an asyncio future; a trio Event).
+* parking: ``parking()`` gives a place where tasks wait (``await
+  parking.park()``) until ``parking.unpark_all()``; a cancelled wait leaves
+  nothing behind (asyncio: futures, the cancelled ones pruned; trio: a
+  ``ParkingLot``).
 * ``checkpoint()``: a schedule point and cancel point.
 
 Backends are chosen per event loop by :func:`current_io`; the loop's identity
@@ -54,6 +56,32 @@ def _guarded(callback: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+class AsyncioParking:
+    """Tasks waiting for the same thing, woken together (asyncio futures)."""
+
+    __slots__ = ("_new", "_waiters")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._new = loop.create_future
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def park(self) -> Awaitable[None]:
+        waiters = self._waiters
+        if len(waiters) >= 16:  # waits cancelled while nothing happened: drop them
+            waiters[:] = [w for w in waiters if not w.done()]
+        fut: asyncio.Future[None] = self._new()
+        waiters.append(fut)
+        return fut
+
+    def unpark_all(self) -> None:
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+
 class IOBackend:
     """What the RDMA transport needs of an event loop (see the module docs)."""
 
@@ -66,13 +94,8 @@ class IOBackend:
     def notify_closing(self, fd: int) -> None:
         """``fd`` is about to be closed (its watch was closed already)."""
 
-    def new_waiter(self) -> Any:
-        raise NotImplementedError
-
-    def wake(self, waiter: Any) -> None:
-        raise NotImplementedError
-
-    def wait(self, waiter: Any) -> Awaitable[Any]:
+    def parking(self) -> Any:
+        """A new place to wait (see the module docs): ``park()`` and ``unpark_all()``."""
         raise NotImplementedError
 
     def checkpoint(self) -> Awaitable[None]:
@@ -85,7 +108,6 @@ class AsyncioIO(IOBackend):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.key = loop
-        self.new_waiter = loop.create_future  # type: ignore[method-assign]
 
     def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
         loop = self.loop
@@ -96,12 +118,8 @@ class AsyncioIO(IOBackend):
 
         return Watch(stop)
 
-    def wake(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    def wait(self, waiter: asyncio.Future[None]) -> Awaitable[None]:
-        return waiter
+    def parking(self) -> AsyncioParking:
+        return AsyncioParking(self.loop)
 
     def checkpoint(self) -> Awaitable[None]:
         return asyncio.sleep(0)
@@ -120,6 +138,7 @@ class TrioIO(IOBackend):
         trio = self._trio
         scope = trio.CancelScope()
         run = _guarded(callback)
+        stopped = False
 
         async def watcher() -> None:
             with scope:
@@ -128,22 +147,23 @@ class TrioIO(IOBackend):
                         await trio.lowlevel.wait_readable(fd)
                     except (trio.ClosedResourceError, OSError):  # pragma: no cover - fd closed under us
                         return
+                    if stopped:  # woken, then stopped before it ran: the fd may be closed already
+                        return
                     run()
 
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            scope.cancel()
+
         trio.lowlevel.spawn_system_task(watcher, name=f"aiordma fd {fd} watcher")
-        return Watch(scope.cancel)
+        return Watch(stop)
 
     def notify_closing(self, fd: int) -> None:
         self._trio.lowlevel.notify_closing(fd)
 
-    def new_waiter(self) -> Any:
-        return self._trio.Event()
-
-    def wake(self, waiter: Any) -> None:
-        waiter.set()
-
-    def wait(self, waiter: Any) -> Awaitable[None]:
-        return waiter.wait()  # type: ignore[no-any-return]
+    def parking(self) -> Any:
+        return self._trio.lowlevel.ParkingLot()
 
     def checkpoint(self) -> Awaitable[None]:
         return self._trio.lowlevel.checkpoint()

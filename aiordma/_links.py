@@ -70,8 +70,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     This is the hot path of every asyncio connection, kept short on purpose:
     DATA payloads land in the Core's ``rbuf`` inside the protocol's
     ``buffer_updated`` (the data sink), ``incoming()`` hands out the waiter's
-    future itself, and the asyncio front end writes to ``_writer`` and reads
-    ``_paused_reading`` / ``_paused_writing`` directly (package-internal).
+    future itself, and the asyncio front end writes to ``direct_writer`` and reads
+    ``_paused_reading`` / ``paused_writing`` directly (package-internal).
     """
 
     def __init__(
@@ -83,13 +83,13 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._loop = loop
         self._on_made = on_made
         self.transport: asyncio.BaseTransport | None = None
-        self._writer: asyncio.Transport | None = None
+        self.direct_writer: asyncio.Transport | None = None
         # tasks in wait_incoming(): the first in _waiter (the common case, one
         # reader), any others in _waiters (never used while _waiter is None)
         self._waiter: asyncio.Future[None] | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._paused_writing = False
+        self.paused_writing = False
         self._paused_reading = False
         self.lost = False
         self._closed_future: asyncio.Future[None] = loop.create_future()
@@ -105,7 +105,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         # uvloop's transports are not subclasses of asyncio's: rely on the methods
-        self._writer = cast(asyncio.Transport, transport)
+        self.direct_writer = cast(asyncio.Transport, transport)
         if self._on_made is not None:
             self._on_made(self)
 
@@ -164,10 +164,10 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._on_made = None
 
     def pause_writing(self) -> None:
-        self._paused_writing = True
+        self.paused_writing = True
 
     def resume_writing(self) -> None:
-        self._paused_writing = False
+        self.paused_writing = False
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -199,18 +199,18 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._waiters.clear()
 
     def _pause_reading(self) -> None:
-        if self._writer is not None and not self.lost:
-            self._writer.pause_reading()
+        if self.direct_writer is not None and not self.lost:
+            self.direct_writer.pause_reading()
             self._paused_reading = True
 
     def _resume_reading(self) -> None:
         self._paused_reading = False
-        if self._writer is not None and not self.lost:
-            self._writer.resume_reading()
+        if self.direct_writer is not None and not self.lost:
+            self.direct_writer.resume_reading()
 
     def _fail(self, exc: Exception) -> None:
         """The peer broke the protocol: tell it why and hang up."""
-        writer = self._writer
+        writer = self.direct_writer
         if writer is not None and not writer.is_closing():
             final = self.core.proto.close(CloseCode.PROTOCOL_ERROR, str(exc))
             if final:
@@ -248,7 +248,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             self._resume_reading()
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
-        writer = self._writer
+        writer = self.direct_writer
         if writer is None or writer.is_closing():
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
         if len(chunks) == 1:
@@ -258,7 +258,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 writer.write(chunk)
 
     async def drain(self) -> None:
-        if not self._paused_writing or self.lost:
+        if not self.paused_writing or self.lost:
             return
         fut = self._loop.create_future()
         self._drain_waiters.append(fut)
@@ -269,14 +269,14 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     async def send(self, chunks: Sequence[Chunk]) -> None:
         self.write_nowait(chunks)
-        if self._paused_writing:
+        if self.paused_writing:
             await self.drain()
             if self.lost:
                 raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
 
     def close_nowait(self, final: bytes) -> None:
         """Write ``final`` and start closing the transport (flushes first)."""
-        writer = self._writer
+        writer = self.direct_writer
         if writer is not None and not writer.is_closing():
             if final:
                 writer.write(final)
@@ -286,8 +286,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._wake()
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
+        if self.direct_writer is not None:
+            self.direct_writer.abort()
         self._wake()
 
     async def wait_closed(self) -> None:

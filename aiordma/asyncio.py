@@ -208,9 +208,9 @@ class _WriterLink(Protocol):
     @property
     def lost(self) -> bool: ...
     @property
-    def _writer(self) -> asyncio.Transport | None: ...  # written to directly when there is one
+    def direct_writer(self) -> asyncio.Transport | None: ...  # written to directly when there is one
     @property
-    def _paused_writing(self) -> bool: ...
+    def paused_writing(self) -> bool: ...
     def write_nowait(self, chunks: Sequence[Chunk]) -> None: ...
     async def drain(self) -> None: ...
     def close_nowait(self, final: bytes) -> None: ...
@@ -237,7 +237,7 @@ class StreamWriter:
         if core.closed or core.error is not None or link.lost or core.peer_close is not None:
             return  # as with asyncio: drain() reports the lost connection
         chunks = proto.send_data(data)
-        writer = link._writer
+        writer = link.direct_writer
         if writer is None:  # the RDMA link: no transport to write to
             try:
                 link.write_nowait(chunks)
@@ -260,7 +260,7 @@ class StreamWriter:
         link = self._link
         if link.lost or core.peer_close is not None:
             raise ConnectionResetError("Connection lost")
-        if not link._paused_writing:
+        if not link.paused_writing:
             return  # the common case: no coroutine to await
         try:
             await link.drain()

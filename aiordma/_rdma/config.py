@@ -73,6 +73,11 @@ class NativeProvider:
 
         return WCArray(n)
 
+    def device_names(self) -> list[str]:
+        from .discovery import device_names
+
+        return device_names()
+
     def gid_for_ip(self, ip: str) -> GidEntry | None:
         from .discovery import gid_for_ip
 

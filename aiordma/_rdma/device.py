@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from .._errors import RDMAError
 from .._io import IOBackend, Watch
-from .constants import GidEntry
+from .constants import GidEntry, gid_bytes
 from .discovery import Probe
 from .poller import Poller
 
@@ -48,6 +48,7 @@ class VerbsProvider(Protocol):
     name: str
 
     def open_context(self, name: str) -> Any: ...
+    def device_names(self) -> list[str]: ...
     def WCArray(self, n: int) -> Any: ...  # noqa: N802
     def gid_for_ip(self, ip: str) -> GidEntry | None: ...
     def probe(self) -> Probe: ...
@@ -96,6 +97,7 @@ class Device:
             self.ctx = ctx = provider.open_context(name)
             self.attr = ctx.query_device()
             self.port_attr = ctx.query_port(1)
+            self.gids: list[GidEntry] = list(ctx.query_gid_table())  # one verbs call, not a sysfs walk
             self.pd = ctx.alloc_pd()
             self.channel = ctx.create_comp_channel()
             self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
@@ -108,6 +110,18 @@ class Device:
         except BaseException:
             self._close_resources()
             raise
+
+    def find_gid(self, ip: str) -> GidEntry | None:
+        """The RoCEv2 GID entry of a local address on this device (the table is asked again on a miss:
+        addresses come and go)."""
+        want = gid_bytes(ip)
+        for refresh in (False, True):
+            if refresh:
+                self.gids = list(self.ctx.query_gid_table())
+            for entry in self.gids:
+                if entry.gid.packed == want and entry.gid_type == "RoCEv2":
+                    return entry
+        return None
 
     @property
     def active_mtu(self) -> int:

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from .._errors import RDMAError, RDMAUnavailableError
 from .constants import GidEntry, gid_bytes
 
-__all__ = ["Probe", "probe", "SYSFS_IB", "GidEntry", "PortInfo", "DeviceInfo", "list_devices", "gid_for_ip"]
+__all__ = [
+    "Probe",
+    "probe",
+    "SYSFS_IB",
+    "GidEntry",
+    "PortInfo",
+    "DeviceInfo",
+    "list_devices",
+    "gid_for_ip",
+    "device_names",
+]
 
 SYSFS_IB = "/sys/class/infiniband"
 
@@ -175,6 +185,11 @@ class Probe:
     native_module: bool
     native_reason: str
     devices: list[str] = field(default_factory=list)
+
+
+def device_names() -> list[str]:
+    """The RDMA devices of this host (a directory listing: cheap)."""
+    return _sysfs_devices()
 
 
 def _sysfs_devices() -> list[str]:

@@ -103,7 +103,7 @@ class RdmaLink(Link):
         self.peer: RdmaParams | None = None
         self._cq_reserved = 0
         self._routed = False
-        self._waiters: list[Any] = []
+        self._parking = io.parking()  # readers, senders and teardown wait here
         self._liveness: Watch | None = None
         self._tcp_lost = False
         self._closing = False
@@ -140,12 +140,22 @@ class RdmaLink(Link):
         self._enter("device")
         if local_ip is None:
             raise RdmaSetupError("device", "the TCP socket has no IP address")
-        entry = provider.gid_for_ip(local_ip)
-        if entry is None:
+        names = provider.device_names()
+        if not names:
+            raise RdmaSetupError("device", "this host has no RDMA device")
+        self._enter("open")
+        # the device behind the address: asked of this loop's open devices (their GID tables
+        # come from one verbs call when they open), never by walking sysfs per connect
+        for name in names:
+            device = acquire_device(self.io, provider, name)
+            found = device.find_gid(local_ip)
+            if found is not None:
+                self.device, entry = device, found
+                break
+            device.release()
+        else:
             raise RdmaSetupError("device", f"no RDMA device has the local address {local_ip}")
         self.gid_entry = entry
-        self._enter("open")
-        self.device = device = acquire_device(self.io, provider, entry.device)
         self._enter("resources")
         buffers = cfg.window + cfg.control
         self.qp, self._cq_reserved = qp, _ = qp_setup.create_qp(device, cfg)
@@ -313,12 +323,7 @@ class RdmaLink(Link):
                     self._post_send(work)
         if session.error is not None and not had_error:
             self._broke()
-        waiters = self._waiters
-        if waiters:
-            self._waiters = []
-            wake = self.io.wake
-            for w in waiters:
-                wake(w)
+        self._parking.unpark_all()
 
     def on_fatal(self, exc: BaseException) -> None:
         """A fatal async event for our QP (or the whole device)."""
@@ -354,14 +359,10 @@ class RdmaLink(Link):
             core.on_error(error)
 
     def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            self.io.wake(w)
+        self._parking.unpark_all()
 
     def _wait(self) -> Awaitable[Any]:
-        w = self.io.new_waiter()
-        self._waiters.append(w)
-        return self.io.wait(w)
+        return self._parking.park()  # type: ignore[no-any-return]
 
     # -- Link -------------------------------------------------------------------------------
 
@@ -424,7 +425,7 @@ class RdmaLink(Link):
 
     # asyncio stream API -------------------------------------------------------------------
 
-    _writer = None  # no transport to write to directly
+    direct_writer = None  # no transport to write to directly
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue and post what can be posted now; ``drain`` waits for the rest."""
@@ -438,7 +439,7 @@ class RdmaLink(Link):
         session.detach(end)
 
     @property
-    def _paused_writing(self) -> bool:
+    def paused_writing(self) -> bool:
         return self.session is not None and self.session.backlog
 
     @property
@@ -481,7 +482,18 @@ class RdmaLink(Link):
         session = self.session
         try:
             with anyio.CancelScope(shield=True):
-                if session is not None and session.state is LinkState.OPEN and session.error is None:
+                # nothing to deliver (no CLOSE to send, no backlog), or the peer closed first and
+                # reads no more: go straight to the drain -- waiting for a completion from a peer
+                # that may have destroyed its QP would only cost its retry timeout
+                peer_closed = self._active and self.core.peer_close is not None
+                deliver = bool(final) or (session is not None and session.backlog)
+                if (
+                    session is not None
+                    and session.state is LinkState.OPEN
+                    and session.error is None
+                    and deliver
+                    and not peer_closed
+                ):
                     with anyio.move_on_after(self.config.close_timeout):
                         if final:
                             session.queue([final])

@@ -80,7 +80,7 @@ class Poller:
                     if entries[-1][5] == qp and (n < 3 or all(e[5] == qp for e in entries)):
                         receiver = routes.get(qp)
                         if receiver is not None:
-                            receiver.on_completions(entries)
+                            self._deliver(receiver, entries)
                     else:
                         self._dispatch(entries)
                     continue
@@ -103,7 +103,18 @@ class Poller:
         for qp, group in by_qp.items():
             receiver = self.routes.get(qp)
             if receiver is not None:
-                receiver.on_completions(group)
+                self._deliver(receiver, group)
+
+    def _deliver(self, receiver: CompletionReceiver, entries: list[Entry]) -> None:
+        """Hand a batch over; a receiver that raises (a bug) fails alone, the poller goes on
+        (a poller that stopped here would leave the CQ unarmed and every connection hanging)."""
+        try:
+            receiver.on_completions(entries)
+        except Exception as exc:
+            log.exception("aiordma: handling RDMA completions failed")
+            on_fatal = getattr(receiver, "on_fatal", None)
+            if on_fatal is not None:
+                on_fatal(exc)
 
     def _fail(self, exc: BaseException) -> None:
         log.warning("aiordma: polling the completion queue failed: %s", exc)

@@ -20,7 +20,7 @@ import ipaddress
 from typing import Any
 
 from .config import RdmaConfig, RdmaSetupError
-from .constants import Access, GidEntry
+from .constants import Access, GidEntry, gid_bytes
 from .device import Device
 from .params import MTU_BYTES, RdmaParams
 
@@ -32,11 +32,7 @@ QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 
 def gid_of(ip: str) -> bytes:
     """The RoCEv2 GID of an IP address (``::ffff:a.b.c.d`` for IPv4)."""
-    addr = ipaddress.ip_address(ip)
-    if isinstance(addr, ipaddress.IPv4Address):
-        return ipaddress.IPv6Address("::ffff:" + str(addr)).packed
-    mapped = addr.ipv4_mapped
-    return ipaddress.IPv6Address("::ffff:" + str(mapped)).packed if mapped is not None else addr.packed
+    return gid_bytes(ip)
 
 
 def readable_gid(gid: bytes) -> str:

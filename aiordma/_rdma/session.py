@@ -483,7 +483,8 @@ class RdmaSession:
         seq = wr_id & SEQ_MASK
         outstanding = self._outstanding
         if not outstanding or not outstanding[0][0] <= seq <= outstanding[-1][0]:
-            self._bad(RDMAError(5, "ibv_poll_cq", f"a send completion for nothing outstanding (wr_id={wr_id:#x})"))
+            self._bad(RDMAError(5, "ibv_poll_cq", f"a send completion for nothing outstanding "
+                                                   f"(wr_id={wr_id:#x}, {wc_status_name(status)})"))  # fmt: skip
             return
         if status and (status != _FLUSH or self.state is LinkState.OPEN or self.state is LinkState.CLOSING):
             kind = wr_kind(wr_id)

@@ -41,6 +41,9 @@ class SimProvider:
     def WCArray(self, n: int) -> Any:  # noqa: N802 - mirrors the class name
         return self.fabric.WCArray(n)
 
+    def device_names(self) -> list[str]:
+        return self.fabric.device_names()
+
     def gid_for_ip(self, ip: str) -> GidEntry | None:
         return self.fabric.gid_for_ip(ip)
 
