@@ -48,7 +48,10 @@ class Env:
     fabric: SimFabric | None = None
 
     def backend(self, cls: Callable[..., RdmaBackend] = RdmaBackend, config: RdmaConfig | None = None, **kw: Any) -> RdmaBackend:
-        return cls(config, provider=self.provider, **kw)
+        # a new provider object each time (as every call without rdma_backend gets a new
+        # default backend): devices must still be shared per loop
+        provider = SimProvider(self.fabric) if self.fabric is not None else NativeProvider()
+        return cls(config, provider=provider, **kw)
 
     def live(self) -> dict[str, int]:
         return dict(self.provider.live_objects())
@@ -684,3 +687,17 @@ async def test_a_peer_cannot_write_into_our_buffers(anyio_backend: Any, env: Env
         assert bytes(target.view()[:64]) == before
         await c.send(b"other connection")
         assert await d.receive() == b"other connection"
+
+
+async def test_connections_with_separate_backends_share_the_device(anyio_backend: Any, env: Env) -> None:
+    """The device is opened once per loop, whatever backend object each call was given."""
+    async with no_fd_leak():
+        async with await aiordma.create_channel_listener(env.host, 0, transport="rdma", rdma_backend=env.backend()) as lst:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lst.serve, lambda ch: ch.aclose())
+                for _ in range(3):
+                    ch = await aiordma.connect_channel(env.host, lst.port, transport="rdma", rdma_backend=env.backend())
+                    await ch.aclose()
+                    assert len(open_devices()) == 1
+                    assert env.live()["contexts"] == 1
+                tg.cancel_scope.cancel()

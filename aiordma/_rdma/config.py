@@ -62,6 +62,7 @@ class NativeProvider:
     """The verbs of this host: the native module, sysfs discovery."""
 
     name = "native"
+    key: object = "native"  # every NativeProvider reaches the same devices
 
     def open_context(self, name: str) -> Any:
         from .verbs import Context  # the native module loads here, when RDMA is first needed

@@ -46,6 +46,8 @@ class VerbsProvider(Protocol):
     """Where verbs objects come from: the native module, or :mod:`aiordma.testing`'s simulated wire."""
 
     name: str
+    #: what identifies the provider's devices: providers with the same key share per-loop devices
+    key: object
 
     def open_context(self, name: str) -> Any: ...
     def device_names(self) -> list[str]: ...
@@ -57,7 +59,7 @@ class VerbsProvider(Protocol):
 
 # (loop key, provider, device name) -> Device.  Entries live exactly as long as
 # their device is referenced: this is per loop, not a process-wide context.
-_devices: dict[tuple[object, int, str], Device] = {}
+_devices: dict[tuple[object, object, str], Device] = {}
 
 
 def open_devices() -> list[Device]:
@@ -67,7 +69,7 @@ def open_devices() -> list[Device]:
 
 def acquire_device(io: IOBackend, provider: VerbsProvider, name: str) -> Device:
     """The device ``name`` for this event loop, opened on first use; the caller must ``release()`` it."""
-    key = (io.key, id(provider), name)
+    key = (io.key, provider.key, name)
     device = _devices.get(key)
     if device is None or device.closed:
         device = Device(io, provider, name)
@@ -86,7 +88,7 @@ class Device:
         self.name = name
         self.refs = 0
         self.closed = False
-        self._key: tuple[object, int, str] | None = None
+        self._key: tuple[object, object, str] | None = None
         self.ctx: Any = None
         self.pd: Any = None
         self.channel: Any = None

@@ -34,6 +34,7 @@ class SimProvider:
 
     def __init__(self, fabric: SimFabric) -> None:
         self.fabric = fabric
+        self.key: object = fabric  # providers over one fabric share its devices
 
     def open_context(self, name: str) -> Any:
         return self.fabric.open_context(name)
