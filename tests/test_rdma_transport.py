@@ -150,6 +150,8 @@ async def test_peer_without_rdma_interoperates(anyio_backend: Any, env: Env) -> 
 async def test_each_failing_setup_step_falls_back_to_tcp(anyio_backend: Any, env: Env, side: str, step: str) -> None:
     if side == "server" and step == "probe":
         pytest.skip("only the client probes the path")
+    if env.kind == "rxe" and anyio_backend[0] != "asyncio":
+        pytest.skip("on rxe one loop suffices: every loop runs this on the simulated wire")
     failing = env.backend(FailingBackend, step=step)
     async with no_fd_leak(), echo_channel(env, server_backend=failing if side == "server" else None) as port:
         async with await aiordma.connect_channel(
@@ -207,13 +209,13 @@ async def test_loopback_address_has_no_device(anyio_backend: Any) -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
-async def test_a_thousand_cycles_leave_nothing_behind(anyio_backend: Any, env: Env) -> None:
-    """One run of a thousand cycles (under asyncio: the loop does not matter here, the time does).
+async def test_many_cycles_leave_nothing_behind(anyio_backend: Any, env: Env) -> None:
+    """Hundreds of connect/transfer/close cycles (under asyncio: the loop does not matter here, the time does).
 
     The listener keeps its device open (each connection then finds the device and its cached
     rings ready): what is open after the first cycle stays exactly what is open after the last
     one, and everything is gone once the listener closes (the ``env`` fixture checks)."""
-    cycles = int(os.environ.get("AIORDMA_TEST_CYCLES", "1000" if env.kind == "rxe" else "200"))
+    cycles = int(os.environ.get("AIORDMA_TEST_CYCLES", "300" if env.kind == "rxe" else "200"))
     async with no_fd_leak():
         async with echo_channel(env) as port:
             assert env.live() == dict.fromkeys(env.live(), 0)

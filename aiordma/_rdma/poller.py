@@ -57,7 +57,10 @@ class Poller:
         """The channel fd fired: ack the events, then poll until empty, arming at the end."""
         self.wakes += 1
         try:
-            if self.channel.drain_events():
+            # one CQ on the channel, armed once: at most one event is pending, so one read
+            # does (no second read() that only says EAGAIN); a leftover would only make the
+            # fd readable again
+            if self.channel.drain_events(1):
                 self.armed = False
         except OSError as exc:  # the device is gone
             self._fail(exc)

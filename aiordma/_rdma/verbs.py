@@ -3,8 +3,10 @@
 This module imports on every host: when the native module was not built (no
 libibverbs headers at install time) or cannot load, :func:`native_available`
 says why and creating any verbs object raises :class:`RDMAUnavailableError`.
-Device discovery (:func:`list_devices`, :func:`gid_for_ip`) reads sysfs and
-works without the native module (the active MTU is then unknown).
+Importing it loads the native module (and maps libibverbs): the transport
+imports it only when a connection first offers RDMA.  Device discovery lives
+in :mod:`aiordma._rdma.discovery` (sysfs), constants and plain records in
+:mod:`aiordma._rdma.constants` (no native code).
 
 Lifetimes are explicit: every object has ``close()`` and is a context manager;
 nothing is freed by ``__del__``.  An object forgotten without ``close()`` stays
