@@ -405,7 +405,8 @@ class RdmaLink(Link):
         if session is None or session.error is not None:
             raise BrokenResourceError("the RDMA connection failed")
 
-    async def send(self, chunks: Sequence[Chunk]) -> None:
+    def _queue_and_post(self, chunks: Sequence[Chunk]) -> tuple[RdmaSession, int]:
+        """Queue ``chunks`` and post what credits and slots allow now; returns the byte mark that ends them."""
         self._check_usable()
         session = self.session
         assert session is not None
@@ -413,8 +414,12 @@ class RdmaLink(Link):
         work = session.flush()
         if work:
             self._post_send(work)
-            if session.error is not None:
-                self._check_usable()  # the post failed: raises
+        return session, end
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        session, end = self._queue_and_post(chunks)
+        if session.error is not None:
+            self._check_usable()  # the post failed: raises
         try:
             while session.posted_bytes < end:
                 self._check_usable()
@@ -429,13 +434,7 @@ class RdmaLink(Link):
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue and post what can be posted now; ``drain`` waits for the rest."""
-        self._check_usable()
-        session = self.session
-        assert session is not None
-        end = session.queue(chunks)
-        work = session.flush()
-        if work:
-            self._post_send(work)
+        session, end = self._queue_and_post(chunks)
         session.detach(end)
 
     @property
