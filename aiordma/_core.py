@@ -94,6 +94,40 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]: ...
 
+    # -- the asyncio stream API (aiordma.asyncio), for links that run under asyncio -----------
+    #
+    # ``write_nowait`` queues without waiting (asyncio's ``write``); ``drain`` waits while
+    # ``paused_writing``; ``close_nowait`` starts closing and ``wait_closed`` waits for it;
+    # ``direct_writer`` is a transport the writer may write frames to itself (the TCP fast
+    # path) or None; ``lost``: the connection is gone or going (writes are dropped).
+
+    direct_writer: Any = None
+
+    @property
+    def transport(self) -> Any:
+        """The TCP (asyncio) transport underneath, for ``get_extra_info``; None if there is none."""
+        return None
+
+    @property
+    def lost(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
+    @property
+    def paused_writing(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
+    async def drain(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
+    def close_nowait(self, final: bytes) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
+    async def wait_closed(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
+
     def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
         """Another link (RDMA) takes the Core over; this one only watches for the
         connection's end: ``on_lost()`` is called when it ends or carries any

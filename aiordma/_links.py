@@ -63,6 +63,12 @@ def _ignore() -> None:
 
 
 class AsyncioLink(asyncio.BufferedProtocol, Link):
+    # plain attributes here (read-only properties on the Link interface)
+    transport: asyncio.BaseTransport | None = None
+    direct_writer: asyncio.Transport | None = None
+    paused_writing: bool = False
+    lost: bool = False
+
     """The protocol side of an asyncio TCP connection (see module docs).
 
     ``on_made`` (servers) is called with the link once the transport exists.

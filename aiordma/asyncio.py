@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 
 from ._api import Options, _open, accept_handshake, make_options
-from ._core import Core
+from ._core import Core, Link
 from ._errors import LocalProtocolError
 from ._links import AsyncioLink
 from ._negotiate import local_offer
@@ -199,28 +199,10 @@ class StreamReader:
         return line
 
 
-class _WriterLink(Protocol):
-    """What the writer needs of a link: the TCP ``AsyncioLink``, or the
-    ``RdmaLink`` that replaced it after the switch to RDMA."""
-
-    @property
-    def transport(self) -> asyncio.BaseTransport | None: ...
-    @property
-    def lost(self) -> bool: ...
-    @property
-    def direct_writer(self) -> asyncio.Transport | None: ...  # written to directly when there is one
-    @property
-    def paused_writing(self) -> bool: ...
-    def write_nowait(self, chunks: Sequence[Chunk]) -> None: ...
-    async def drain(self) -> None: ...
-    def close_nowait(self, final: bytes) -> None: ...
-    async def wait_closed(self) -> None: ...
-
-
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
-    def __init__(self, core: Core, link: _WriterLink, reader: StreamReader) -> None:
+    def __init__(self, core: Core, link: Link, reader: StreamReader) -> None:
         self._core = core
         self._link = link
         self._reader = reader
@@ -306,7 +288,8 @@ class StreamWriter:
     @property
     def transport(self) -> asyncio.BaseTransport | None:
         """The TCP transport underneath (writing to it directly breaks the framing)."""
-        return self._link.transport
+        transport: asyncio.BaseTransport | None = self._link.transport
+        return transport
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         core = self._core
@@ -326,7 +309,7 @@ class StreamWriter:
 
 
 def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
-    link: Any = core.link  # an AsyncioLink, or the RdmaLink that took over from it
+    link = core.link  # an AsyncioLink, or the RdmaLink that took over from it
     reader = StreamReader(core, limit)
     return reader, StreamWriter(core, link, reader)
 
