@@ -34,6 +34,7 @@ from aiordma._rdma.params import RdmaParams
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
 from ._leaks import no_fd_leak
+from .test_conformance import read_exactly
 
 pytestmark = pytest.mark.anyio
 
@@ -395,15 +396,6 @@ async def stream_pair_on(
             await server.aclose()
 
 
-async def _read_n(stream: aiordma.Stream, n: int) -> bytes:
-    parts = []
-    while n:
-        chunk = await stream.receive(min(n, 1 << 20))
-        parts.append(chunk)
-        n -= len(chunk)
-    return b"".join(parts)
-
-
 async def test_full_duplex_with_a_late_reader_finishes(anyio_backend: Any, env: Env) -> None:
     """B1: both sides send 8 MiB before reading, the client's reader starts 0.2 s late.
     The first transport spun in the credit wait and froze the loop; now senders wait."""
@@ -414,10 +406,10 @@ async def test_full_duplex_with_a_late_reader_finishes(anyio_backend: Any, env: 
 
         async def late_reader() -> None:
             await anyio.sleep(0.2)
-            got["a"] = await _read_n(a, size)
+            got["a"] = await read_exactly(a, size)
 
         async def reader() -> None:
-            got["b"] = await _read_n(b, size)
+            got["b"] = await read_exactly(b, size)
 
         with anyio.fail_after(60 if env.kind == "sim" else 300):
             async with anyio.create_task_group() as tg:
@@ -456,8 +448,8 @@ async def test_peers_with_other_configs(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(a.send, data)
                 tg.start_soon(b.send, data[::-1])
-                assert await _read_n(b, len(data)) == data
-                assert await _read_n(a, len(data)) == data[::-1]
+                assert await read_exactly(b, len(data)) == data
+                assert await read_exactly(a, len(data)) == data[::-1]
 
 
 def _link(stream: aiordma.Stream) -> Any:
@@ -488,7 +480,7 @@ async def test_close_is_quick_when_the_close_went_out_after_credits_came_back(an
 
             async def drain_peer() -> None:
                 await anyio.sleep(0.2)
-                assert await _read_n(b, 100_000) == bytes(100_000)
+                assert await read_exactly(b, 100_000) == bytes(100_000)
 
             tg.start_soon(drain_peer)
             with anyio.fail_after(30):
@@ -587,7 +579,7 @@ async def test_many_connections_share_one_device(anyio_backend: Any, env: Env) -
                 async with stream_pair_on(env) as (a, b):
                     payload = os.urandom(1000 + i * 997)
                     await a.send(payload)
-                    results.append(await _read_n(b, len(payload)) == payload)
+                    results.append(await read_exactly(b, len(payload)) == payload)
 
             with anyio.fail_after(60):
                 for i in range(12):
@@ -629,7 +621,6 @@ async def test_a_busy_receiver_yields_to_other_tasks(anyio_backend: Any, env: En
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)
-            await _read_n(b, 200_000) if False else None
             for _ in range(50):
                 await b.receive(1)
             tg.cancel_scope.cancel()
@@ -641,7 +632,7 @@ async def test_typed_memoryviews_are_framed_by_bytes(anyio_backend: Any, env: En
     values = array("I", range(1 << 18))  # 1 MiB of 4-byte items
     async with no_fd_leak(), stream_pair_on(env) as (a, b):
         await a.send(memoryview(values))
-        assert await _read_n(b, len(values) * 4) == values.tobytes()
+        assert await read_exactly(b, len(values) * 4) == values.tobytes()
 
 
 async def test_a_refused_post_is_fatal_and_releases_everything(anyio_backend: Any, env: Env) -> None:

@@ -281,7 +281,7 @@ class RdmaLink(Link):
             # unknown state: it is fatal, and what was handed out stays the
             # device's until the QP is destroyed
             assert self.session is not None
-            self.session.send_failed(exc)
+            self.session.fail(exc)
             self._broke()
 
     def _post_recv(self, work: list[tuple[int, int, int]]) -> None:

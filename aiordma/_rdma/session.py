@@ -380,10 +380,6 @@ class RdmaSession:
         self._outstanding.append((seq, True, -1))
         return (SQ_BIT | KIND_PROBE << KIND_SHIFT | seq, 0, 0, 0, 0, SIGNALED)
 
-    def send_failed(self, exc: BaseException) -> None:
-        """Posting failed: the QP is broken.  What was handed out stays the device's until the QP is destroyed."""
-        self.fail(exc)
-
     # -- receiving -------------------------------------------------------------
 
     def on_completions(
