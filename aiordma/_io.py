@@ -5,11 +5,15 @@ for as long as the device is open, and what the watcher finds wakes the tasks
 that wait.  Each backend gives three things, in the spirit of httpcore's
 ``_backends``:
 
-* ``watch(fd, callback)``: call ``callback()`` (synchronously, in the loop's
-  thread) each time ``fd`` is readable, until the returned watch is closed.
-  asyncio/uvloop: ``loop.add_reader`` once; trio: one system task looping on
-  ``wait_readable``.  A callback must not raise (an exception is logged: a
-  watcher that dies would leave its connections hanging).
+* ``watch(fd, callback, spin=None)``: call ``callback()`` (synchronously, in
+  the loop's thread) each time ``fd`` is readable, until the returned watch is
+  closed.  asyncio/uvloop: ``loop.add_reader`` once; trio: one system task
+  looping on ``wait_readable``.  A callback must not raise (an exception is
+  logged: a watcher that dies would leave its connections hanging).  A
+  callback that returns True asks to go on polling without the fd: ``spin()``
+  is then called after the loop ran once (asyncio: ``call_soon``; trio: a
+  checkpoint), again and again while it returns True -- the loop runs
+  between two calls, so a spinning poller never starves it.
 * parking: ``parking()`` gives a place where tasks wait (``await
   parking.park()``) until ``parking.unpark_all()``; a cancelled wait leaves
   nothing behind (asyncio: futures, the cancelled ones pruned; trio: a
@@ -46,12 +50,13 @@ class Watch:
             stop()
 
 
-def _guarded(callback: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
+def _guarded(callback: Callable[[], bool | None]) -> Callable[[], bool]:
+    def run() -> bool:
         try:
-            callback()
+            return bool(callback())
         except Exception:  # pragma: no cover - a bug; keep the watcher alive and say so
             log.exception("aiordma: an fd watcher callback failed")
+            return False
 
     return run
 
@@ -88,7 +93,8 @@ class IOBackend:
     key: object
     name: str
 
-    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+    def watch(self, fd: int, callback: Callable[[], bool | None],
+              spin: Callable[[], bool] | None = None) -> Watch:  # fmt: skip
         raise NotImplementedError
 
     def notify_closing(self, fd: int) -> None:
@@ -109,11 +115,32 @@ class AsyncioIO(IOBackend):
         self.loop = loop
         self.key = loop
 
-    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+    def watch(self, fd: int, callback: Callable[[], bool | None],
+              spin: Callable[[], bool] | None = None) -> Watch:  # fmt: skip
         loop = self.loop
-        loop.add_reader(fd, _guarded(callback))
+        run = _guarded(callback)
+        if spin is None:
+            loop.add_reader(fd, run)
+        else:
+            spin_run = _guarded(spin)
+            state = {"scheduled": False, "stopped": False}
+
+            def respin() -> None:
+                state["scheduled"] = False
+                if not state["stopped"] and spin_run():
+                    state["scheduled"] = True
+                    loop.call_soon(respin)
+
+            def on_fd() -> None:
+                if run() and not state["scheduled"]:
+                    state["scheduled"] = True
+                    loop.call_soon(respin)
+
+            loop.add_reader(fd, on_fd)
 
         def stop() -> None:
+            if spin is not None:
+                state["stopped"] = True
             loop.remove_reader(fd)
 
         return Watch(stop)
@@ -134,10 +161,12 @@ class TrioIO(IOBackend):
         self._trio = trio
         self.key = trio.lowlevel.current_root_task()
 
-    def watch(self, fd: int, callback: Callable[[], None]) -> Watch:
+    def watch(self, fd: int, callback: Callable[[], bool | None],
+              spin: Callable[[], bool] | None = None) -> Watch:  # fmt: skip
         trio = self._trio
         scope = trio.CancelScope()
         run = _guarded(callback)
+        spin_run = _guarded(spin) if spin is not None else None
         stopped = False
 
         async def watcher() -> None:
@@ -149,7 +178,12 @@ class TrioIO(IOBackend):
                         return
                     if stopped:  # woken, then stopped before it ran: the fd may be closed already
                         return
-                    run()
+                    again = run()
+                    while again and spin_run is not None and not stopped:
+                        await trio.lowlevel.checkpoint()
+                        if stopped:
+                            return
+                        again = spin_run()
 
         def stop() -> None:
             nonlocal stopped

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma.testing import channel_pair, stream_pair
+from aiordma import RdmaBackend, RdmaConfig
+from aiordma.testing import channel_pair, simulated_backend, stream_pair
 
 from ._leaks import no_fd_leak
 
@@ -32,9 +33,33 @@ pytestmark = pytest.mark.anyio
 KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("tcp", id="tcp"),
-    pytest.param("sim", id="sim"),  # the RDMA transport over the simulated RC wire
+    pytest.param("sim", id="sim"),  # the RDMA transport over the simulated RC wire (native path, event mode)
+    # the checked (Python) data path and the spinning poll modes, on the same wire
+    pytest.param("sim-checked", id="sim-checked"),
+    pytest.param("sim-adaptive", id="sim-adaptive"),
+    pytest.param("sim-busy", id="sim-busy"),
     pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
+    pytest.param("rdma-checked", id="rdma-checked", marks=pytest.mark.rdma),
+    pytest.param("rdma-adaptive", id="rdma-adaptive", marks=pytest.mark.rdma),
+    pytest.param("rdma-busy", id="rdma-busy", marks=pytest.mark.rdma),
 ]
+
+#: variant -> (pair kind, RdmaConfig fields)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{base}-{name}": (base, config)
+    for base in ("sim", "rdma")
+    for name, config in (("checked", {"hot_path": "checked"}), ("adaptive", {"poll": "adaptive"}),
+                         ("busy", {"poll": "busy"}))  # fmt: skip
+}
+
+
+def _pair_args(kind: str) -> tuple[str, RdmaBackend | None]:
+    """The pair kind and RDMA backend of a test kind (a variant names a config)."""
+    if kind not in VARIANTS:
+        return kind, None
+    base, fields = VARIANTS[kind]
+    config = RdmaConfig(**fields)
+    return base, simulated_backend(config) if base == "sim" else RdmaBackend(config)
 
 SMALL_LIMIT = 64 * 1024
 HYPOTHESIS = settings(
@@ -45,15 +70,17 @@ HYPOTHESIS = settings(
 
 @asynccontextmanager
 async def streams(kind: str) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stream]]:
+    base, backend = _pair_args(kind)
     async with no_fd_leak():
-        async with stream_pair(kind) as pair:  # type: ignore[arg-type]
+        async with stream_pair(base, rdma_backend=backend) as pair:  # type: ignore[arg-type]
             yield pair
 
 
 @asynccontextmanager
 async def channels(kind: str, limit: int = SMALL_LIMIT) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:
+    base, backend = _pair_args(kind)
     async with no_fd_leak():
-        async with channel_pair(kind, max_message_size=limit) as pair:  # type: ignore[arg-type]
+        async with channel_pair(base, max_message_size=limit, rdma_backend=backend) as pair:  # type: ignore[arg-type]
             yield pair
 
 
@@ -85,7 +112,7 @@ async def test_transport_is_reported(kind: str) -> None:
         for end in (a, b):
             transport = end.extra(aiordma.TransportAttribute.transport)
             reason = end.extra(aiordma.TransportAttribute.fallback_reason)
-            if kind in ("rdma", "sim"):
+            if _pair_args(kind)[0] in ("rdma", "sim"):
                 assert (transport, reason) == ("rdma", "")
                 assert end.extra(aiordma.TransportAttribute.qp_num) > 0
             else:

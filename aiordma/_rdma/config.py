@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .constants import GidEntry
 from .discovery import Probe
 from .params import RdmaParams
+from .poller import POLL_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .device import VerbsProvider
@@ -37,6 +39,24 @@ class RdmaConfig:
     #: ask for a send completion at least every this many SENDs (the others
     #: are unsignaled; a completion retires every send posted before it)
     signal_every: int = 8
+    #: the data path: ``"native"`` (C: one call per send and one per wake) or
+    #: ``"checked"`` (the Python session, the reference; slower).  None: the
+    #: environment variable ``AIORDMA_HOT_PATH``, else native where the native module is built
+    hot_path: str | None = None
+    #: how completions are waited for: ``"event"`` (sleep on the completion
+    #: channel fd), ``"adaptive"`` (spin briefly after activity, then sleep) or
+    #: ``"busy"`` (spin while traffic flows); see ``aiordma/_rdma/poller.py``.
+    #: None: the environment variable ``AIORDMA_POLL``, else ``"event"``
+    poll: str | None = None
+    #: adaptive: keep polling this long after the last completion (seconds)
+    spin_window: float = 100e-6
+    #: busy: keep polling this long after the last completion (seconds)
+    busy_window: float = 1.0
+    #: adaptive and busy: the longest one spin in C may take before the loop runs again (seconds)
+    spin_budget: float = 50e-6
+    #: send messages up to this many bytes inline (copied into the work request: no send slot,
+    #: no DMA read); the QP may grant less, and what it granted is what is used
+    max_inline: int = 256
 
     def __post_init__(self) -> None:
         if not 1 <= self.window <= 4096:
@@ -47,6 +67,32 @@ class RdmaConfig:
             raise ValueError("buffer_size must be between 256 bytes and 16 MiB")
         if self.signal_every < 1:
             raise ValueError("signal_every must be at least 1")
+        if self.hot_path not in (None, "native", "checked"):
+            raise ValueError(f"hot_path must be 'native' or 'checked', not {self.hot_path!r}")
+        if self.poll not in (None, *POLL_MODES):
+            raise ValueError(f"poll must be one of {', '.join(POLL_MODES)}, not {self.poll!r}")
+        if not 0 <= self.max_inline <= 1024:
+            raise ValueError("max_inline must be between 0 and 1024 bytes")
+        for name in ("spin_window", "busy_window", "spin_budget"):
+            if not 0 <= getattr(self, name) <= 10.0:
+                raise ValueError(f"{name} must be between 0 and 10 seconds")
+
+    @property
+    def poll_mode(self) -> str:
+        """The poll mode in force: ``poll``, else ``AIORDMA_POLL``, else ``"event"``."""
+        mode = self.poll or os.environ.get("AIORDMA_POLL", "").strip().lower() or "event"
+        if mode not in POLL_MODES:
+            raise ValueError(f"AIORDMA_POLL must be one of {', '.join(POLL_MODES)}, not {mode!r}")
+        return mode
+
+    def use_native(self, available: bool) -> bool:
+        """Whether connections run the native data path (``hot_path``, else ``AIORDMA_HOT_PATH``)."""
+        path = self.hot_path or os.environ.get("AIORDMA_HOT_PATH", "").strip().lower() or None
+        if path not in (None, "native", "checked"):
+            raise ValueError(f"AIORDMA_HOT_PATH must be 'native' or 'checked', not {path!r}")
+        if path == "native" and not available:
+            raise RdmaSetupError("resources", "hot_path='native' needs the native module, which is not built here")
+        return available and path != "checked"
 
 
 class RdmaSetupError(Exception):
@@ -93,6 +139,11 @@ class NativeProvider:
         from .verbs import live_objects
 
         return live_objects()
+
+    def native(self) -> tuple[Any, Any] | None:
+        from .fastpath import native_lib
+
+        return native_lib()
 
 
 class RdmaBackend:

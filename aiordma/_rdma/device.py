@@ -55,6 +55,9 @@ class VerbsProvider(Protocol):
     def gid_for_ip(self, ip: str) -> GidEntry | None: ...
     def probe(self) -> Probe: ...
     def live_objects(self) -> dict[str, int]: ...
+    def native(self) -> tuple[Any, Any] | None:
+        """``(ffi, lib)`` of the native module when its data path can run on these verbs, else None."""
+        ...
 
 
 # (loop key, provider, device name) -> Device.  Entries live exactly as long as
@@ -104,9 +107,10 @@ class Device:
             self.channel = ctx.create_comp_channel()
             self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
             self.cq_free: int = int(self.cq.cqe)
-            self.poller = Poller(self.cq, self.channel, provider.WCArray(64))
+            native_of = getattr(provider, "native", None)
+            self.poller = Poller(self.cq, self.channel, provider.WCArray(64), native_of() if native_of else None)
             self.poller.on_error = self._fail_all
-            self._watches.append(io.watch(self.channel.fileno(), self.poller.on_readable))
+            self._watches.append(io.watch(self.channel.fileno(), self.poller.on_readable, self.poller.spin))
             self._watches.append(io.watch(ctx.fileno(), self._on_async_event))
             self.poller.poll_now()  # arms the CQ
         except BaseException:

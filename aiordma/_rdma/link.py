@@ -51,8 +51,9 @@ from .._io import IOBackend, Watch, current_io
 from .._protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
-from .constants import MTU_TO_ENUM, Opcode, SendWR
+from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
 from .device import Device, acquire_device
+from .fastpath import EVT_DATA, NativeSession
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
@@ -98,7 +99,7 @@ class RdmaLink(Link):
         self.qp: Any = None
         self.recv_mr: Any = None
         self.send_mr: Any = None
-        self.session: RdmaSession | None = None
+        self.session: Any = None  # RdmaSession (checked) or NativeSession
         self.control: Link | None = None
         self.peer: RdmaParams | None = None
         self._cq_reserved = 0
@@ -112,6 +113,12 @@ class RdmaLink(Link):
         self._step = "device"
         self.qp_num = 0
         self._active = False
+        self._native = False
+        self.cid = 0  # the poller's index of our native chan (0: none)
+        self._counted = False  # counted in the poller's modes (and checked connections)
+        self._mode = "event"
+        self._local_peer = False
+        self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -166,13 +173,34 @@ class RdmaLink(Link):
         self._enter("memory")
         self.recv_mr = device.take_region(buffers * cfg.buffer_size)
         ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
-        self.session = RdmaSession(
-            window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring, rq_depth=int(caps.max_recv_wr)
-        )
+        poller = device.poller
+        self._native = cfg.use_native(poller.native is not None)
+        self._mode = cfg.poll_mode
+        if self._native:
+            self.cid = poller.add_native(self)
+            self.session = NativeSession(
+                window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
+                rq_depth=int(caps.max_recv_wr), qp=qp, cid=self.cid,
+            )  # fmt: skip
+            poller.ensure_buffer(cfg.buffer_size)
+            poller.set_chan(self.cid, self.session.c)
+        else:
+            self.session = RdmaSession(
+                window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
+                rq_depth=int(caps.max_recv_wr),
+            )  # fmt: skip
+            poller.add_checked(1)
+        poller.add_mode(self._mode)
+        if self._mode != "event":
+            poller.spin_window, poller.busy_window = cfg.spin_window, cfg.busy_window
+            poller.spin_budget = cfg.spin_budget
+        self._counted = True
         self._enter("post")
-        device.poller.routes[self.qp_num] = self
+        poller.routes[self.qp_num] = self
         self._routed = True
-        self._post_recv(self.session.initial_receives())
+        work = self.session.initial_receives()
+        if work:
+            self._post_recv(work)
         self.mtu = min(4096, device.active_mtu)
         self.psn = random.randrange(1 << 24)
 
@@ -222,20 +250,30 @@ class RdmaLink(Link):
             signal_every=cfg.signal_every,
             high_water=RECEIVE_HIGH_WATER,
         )
+        # the peer's QP on this very poller: same loop, same thread -- spinning would only delay it
+        if peer.qp_num in device.poller.routes and peer.gid == self.gid_entry.gid.packed:
+            self._local_peer = True
+            device.poller.local_peers += 1
 
     async def probe(self) -> None:
         """Prove the path: a zero-length RDMA WRITE must be ACKed (step ``probe``)."""
         session = self.session
         assert session is not None
         self._enter("probe")
+        wanted = self._want_sends()
         try:
-            self._post_send([session.probe_work()])
+            if self._native:
+                session.probe_work()  # posts
+            else:
+                self._post_send([session.probe_work()])
             with anyio.fail_after(self.config.setup_timeout):
                 await self.backend.probe_delay()
                 while session.probe_status is None and session.error is None:
                     await self._wait()
         except TimeoutError:
             raise RdmaSetupError("probe", f"no answer from the peer's QP within {self.config.setup_timeout} s") from None
+        finally:
+            self._unwant_sends(wanted)
         if session.error is not None or session.probe_status:
             raise RdmaSetupError("probe", f"the path to the peer failed ({session.error})")
 
@@ -251,6 +289,13 @@ class RdmaLink(Link):
         core.transport = "rdma"
         core.fallback_reason = ""
         self._liveness = control.hand_over(self.io, self._on_control_lost)
+        if self._native:
+            early, self._early = self._early, []
+            for data in early:
+                core.feed(data)
+            if early:
+                self._parking.unpark_all()
+            return
         deferred = session.take_deferred()
         if deferred:
             self.on_completions(deferred)
@@ -300,9 +345,57 @@ class RdmaLink(Link):
 
     # -- pushed by the poller ------------------------------------------------------------
 
+    def _want_sends(self) -> bool:
+        """Native path: a task waits for a send completion; the CQ is armed for every completion."""
+        device = self.device
+        if not self._native or device is None or device.closed:
+            return False
+        device.poller.want_sends(1)
+        return True
+
+    def _unwant_sends(self, wanted: bool) -> None:
+        if wanted and self.device is not None:
+            self.device.poller.want_sends(-1)
+
+    def on_native(self, view: memoryview | None, early: int) -> None:
+        """The poller's wake processed our completions in C (native path): ``view`` is the bytes
+        delivered (valid only during this call), ``c.events`` what else happened."""
+        session = self.session
+        c = session.c
+        events = c.events
+        c.events = 0
+        had_error = session.error is not None
+        if view is not None and not had_error:
+            if self._active:
+                core = self.core
+                core.feed(view)
+                if core.error is not None and session.error is None:
+                    session.fail(core.error)
+            elif early:
+                self._early.append(bytes(view))
+        if events != EVT_DATA:
+            session.on_events(events)
+        if session.error is not None and not had_error:
+            self._broke()
+        self._parking.unpark_all()
+
     def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
         session = self.session
         assert session is not None
+        if self._native:
+            # a completion of our QP that names no work request of ours (C routes ours by
+            # the cid in the wr_id): something posted behind our back; the QP's state is unknown
+            had_error = session.error is not None
+            wr_id, status = entries[0][0], entries[0][1]
+            if status:
+                name = wc_status_name(status)
+                session.fail(RDMAError(5, "RDMA send", f"wr_id={wr_id:#x} {name}", wc_status=name))
+            else:
+                session.fail(RDMAError(5, "ibv_poll_cq", f"a completion for nothing outstanding (wr_id={wr_id:#x})"))
+            if not had_error:
+                self._broke()
+            self._parking.unpark_all()
+            return
         had_error = session.error is not None
         if not self._active:  # set-up (the probe's completion; early SENDs are kept), or abandoned
             session.on_completions(entries, 0)
@@ -390,6 +483,11 @@ class RdmaLink(Link):
 
     def consumed(self) -> None:
         session = self.session
+        if self._native:
+            c = session.c
+            if (c.unread >= session._quarter or c.withheld) and session.consumed(self.core.buffered):
+                session.flush()
+            return
         if session is not None and session.withheld and session.consumed(self.core.buffered):
             work = session.flush()
             if work:
@@ -405,11 +503,16 @@ class RdmaLink(Link):
         if session is None or session.error is not None:
             raise BrokenResourceError("the RDMA connection failed")
 
-    def _queue_and_post(self, chunks: Sequence[Chunk]) -> tuple[RdmaSession, int]:
+    def _queue_and_post(self, chunks: Sequence[Chunk]) -> tuple[Any, int]:
         """Queue ``chunks`` and post what credits and slots allow now; returns the byte mark that ends them."""
         self._check_usable()
         session = self.session
         assert session is not None
+        if self._native:
+            end = session.send_now(chunks)
+            if session.error is not None and not self._closing:
+                self._broke()
+            return session, end
         end = session.queue(chunks)
         work = session.flush()
         if work:
@@ -417,16 +520,43 @@ class RdmaLink(Link):
         return session, end
 
     async def send(self, chunks: Sequence[Chunk]) -> None:
-        session, end = self._queue_and_post(chunks)
+        session = self.session
+        if (
+            self._native
+            and session.error is None
+            and not self._closing
+            and self.core.error is None
+            and not self.core.closed
+        ):
+            # the fast path: one C call posts it all (or what credits and slots allow)
+            end = session.send_now(chunks)
+            if session.error is None:
+                if session.c.posted_bytes >= end:
+                    return
+            else:
+                self._broke()
+        else:
+            session, end = self._queue_and_post(chunks)
         if session.error is not None:
             self._check_usable()  # the post failed: raises
+        await self._wait_posted(session, end)
+
+    async def _wait_posted(self, session: Any, end: int) -> None:
+        """Wait until the bytes up to ``end`` are posted; a cancelled wait still sends them, whole."""
+        wanted = False
         try:
             while session.posted_bytes < end:
                 self._check_usable()
+                if self._native and not wanted and session.blocked_on_sends:
+                    # only a send completion frees the send queue or ring: be woken by ours
+                    wanted = self._want_sends()
+                    continue  # the pass it made may have freed room already
                 await self._wait()
         except BaseException:
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
+        finally:
+            self._unwant_sends(wanted)
 
     # asyncio stream API -------------------------------------------------------------------
 
@@ -449,9 +579,16 @@ class RdmaLink(Link):
     async def drain(self) -> None:
         session = self.session
         assert session is not None
-        while session.posted_bytes < session.enqueued:
-            self._check_usable()
-            await self._wait()
+        wanted = False
+        try:
+            while session.posted_bytes < session.enqueued:
+                self._check_usable()
+                if self._native and not wanted and session.blocked_on_sends:
+                    wanted = self._want_sends()
+                    continue
+                await self._wait()
+        finally:
+            self._unwant_sends(wanted)
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:
@@ -479,6 +616,7 @@ class RdmaLink(Link):
             return
         self._closing = True
         session = self.session
+        wanted = self._want_sends()  # the last send's completion, then the flushes
         try:
             with anyio.CancelScope(shield=True):
                 # nothing to deliver (no CLOSE to send, no backlog), or the peer closed first and
@@ -500,12 +638,15 @@ class RdmaLink(Link):
                         work = session.flush()
                         if work:
                             self._post_send(work)
+                        if session.error is not None:
+                            self._broke()
                         while not session.close_sent and session.error is None and not self._tcp_lost:
                             await self._wait()
                 await self._teardown()
                 if self.control is not None:
                     await self.control.aclose(b"")
         finally:
+            self._unwant_sends(wanted)
             self._closed_done = True
             self._wake_all()
 
@@ -548,11 +689,24 @@ class RdmaLink(Link):
         if self._routed and device is not None:
             device.poller.routes.pop(self.qp_num, None)
             self._routed = False
+        if device is not None:
+            poller = device.poller
+            if self._counted:
+                self._counted = False
+                poller.add_mode(self._mode, -1)
+                if not self._native:
+                    poller.add_checked(-1)
+            if self._local_peer:
+                self._local_peer = False
+                poller.local_peers -= 1
         qp_gone = self.qp is None
         if self.qp is not None:
             attempt(self.qp.close)
             qp_gone = bool(getattr(self.qp, "closed", True))
             self.qp = None
+        if self.cid and device is not None and (qp_gone or device.closed):
+            device.poller.remove_native(self.cid)  # nothing of the QP can complete any more
+            self.cid = 0
         if self.session is not None and qp_gone and self.session.state is not LinkState.CLOSED:
             try:
                 self.session.begin_drain()

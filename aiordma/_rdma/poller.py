@@ -3,36 +3,69 @@
 Theory of operation
 -------------------
 A CQ raises one event on its completion channel per arming
-(``ibv_req_notify_cq``), for the first completion after the arming.  So:
+(``ibv_req_notify_cq``), for the first qualifying completion after the
+arming.  So:
 
 1. the channel fd is watched by the event loop for as long as the device is
    open (``add_reader`` once; on trio one system task) -- never a per-wait
    registration, never a private epoll;
-2. when it fires: read and acknowledge the events (the CQ is now disarmed),
-   then poll the CQ in batches until it is empty and hand each batch, split
-   by ``qp_num``, to the connection that owns that QP;
-3. when a poll comes back empty, arm the CQ and poll *once more*
-   (arm-then-poll): a completion that landed between the last poll and the
-   arming raised no event, and would otherwise wait for the next one.
+2. when it fires, **one native call** (``aiordma_wake``, with the native
+   module) reads and acknowledges the event, polls the CQ until it is empty,
+   processes every completion of a native-path connection in C (checks,
+   credits, payloads copied into this poller's delivery buffer, receive
+   buffers re-posted in one batch, credit SENDs posted), arms the CQ and polls
+   once more (*arm-then-poll*: a completion that landed between the last poll
+   and the arming raised no event).  Python then hands each connection its
+   delivered bytes (:meth:`on_native`) and routes the other completions
+   (connections on the checked path) by ``qp_num``;
+3. **selective wake-ups**: the CQ is armed *solicited-only* while every
+   connection on it runs the native path and no task waits for a send
+   completion.  Data and credit SENDs carry the SOLICITED flag, so they
+   wake the loop; our own send completions do not (they are polled with the
+   next wake or send).  Error completions still wake it: a QP that fails
+   flushes its posted receives, and flushed receives are solicited
+   completions (rxe posts them with ``solicited=1``; the IB spec asks the
+   same of every device for unsuccessful completions).  A task that waits for
+   a send completion (send queue or send ring full, the path probe, close,
+   drain) asks for :meth:`want_sends`: the CQ is armed for every completion
+   until it is done.
 
-Connections never poll the CQ themselves; they only ask for a synchronous
-pass (:meth:`Poller.poll_now`) at moments where ordering matters (the TCP
-connection ended: was the CLOSE frame already in the CQ?).  Completions for a
-QP nobody owns any more (destroyed after its drain) are dropped.  A receiver
-may not raise: its errors are its own connection's.
+Poll modes (``RdmaConfig(poll=...)``, ``AIORDMA_POLL``): ``event`` sleeps on
+the fd after every wake.  ``adaptive`` keeps polling after activity for
+``spin_window`` seconds: each pass spins in C (GIL released) for at most
+``spin_budget``, then the callback returns to the event loop and asks to be
+called again at once (``call_soon`` / a trio checkpoint) -- the loop runs
+between two spins; once the window passed without a completion it arms and
+sleeps.  ``busy`` does the same with ``busy_window`` (a second by default):
+it costs a core while traffic flows and sleeps when a connection idles.
+The poller uses the most eager mode among its connections, and never spins
+while a connection's peer is on this same poller (same event loop and
+thread: spinning would only delay the peer).
+
+Connections never poll the CQ themselves; they ask for a synchronous pass
+(:meth:`poll_now`) where ordering matters.  Completions for a QP nobody
+owns any more (destroyed after its drain) are dropped.  A receiver may not
+raise: its errors are its own connection's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Poller", "CompletionReceiver"]
+__all__ = ["Poller", "CompletionReceiver", "POLL_MODES"]
 
 log = logging.getLogger("aiordma")
 
 Entry = tuple[int, int, int, int, int, int]
+
+#: the poll modes, least eager first
+POLL_MODES = ("event", "adaptive", "busy")
+
+_MAX_CHANS = 1 << 16  # the cid field of a wr_id has 16 bits; cid 0 is never used
+_BATCH = 32  # completions per native wake pass (the delivery buffer holds this many payloads)
 
 
 class CompletionReceiver(Protocol):
@@ -40,37 +73,139 @@ class CompletionReceiver(Protocol):
 
 
 class Poller:
-    """Polls one CQ and routes its completions by QP number (see the module docs)."""
+    """Polls one CQ and routes its completions (see the module docs).
 
-    def __init__(self, cq: Any, channel: Any, wc: Any) -> None:
+    ``native`` is ``(ffi, lib)`` of the native module, or None (every
+    connection then runs the checked path and completions are polled into
+    ``wc`` and decoded in Python).
+    """
+
+    def __init__(self, cq: Any, channel: Any, wc: Any, native: tuple[Any, Any] | None = None) -> None:
         self.cq = cq
         self.channel = channel
         self.wc = wc
-        self.routes: dict[int, CompletionReceiver] = {}
+        self.routes: dict[int, CompletionReceiver] = {}  # qp_num -> every connection's link
         self.armed = False
         self._busy = False
         self._again = False
         self.wakes = 0  # channel events handled (for tests and figures)
+        self.passes = 0  # native wake calls
         self.on_error: Callable[[BaseException], None] | None = None
+        self.want_any = 0  # tasks waiting for a send completion
+        self.checked = 0  # connections on the checked path (they need every completion)
+        self.local_peers = 0  # connections whose peer QP is on this poller
+        self._modes = [0, 0, 0]  # connections per poll mode
+        self.spin_budget = 50e-6
+        self.spin_window = 100e-6
+        self.busy_window = 1.0
+        self._last_activity = 0.0
+        self.native = native
+        if native is not None:
+            ffi, lib = native
+            self._ffi = ffi
+            self._with_imm = int(lib.IBV_WC_WITH_IMM)
+            self._wake: Callable[..., int] = cq.native_waker(channel)
+            self.chans = ffi.new("struct aiordma_chan *[]", _MAX_CHANS)
+            self.links: dict[int, Any] = {}
+            self._free: list[int] = []
+            self._next_cid = 1
+            self._out = ffi.new("struct aiordma_delivery[]", _BATCH)
+            self._others = ffi.new("struct aiordma_wc[]", _BATCH)
+            self._res = ffi.new("struct aiordma_wake_result *")
+            self._stamp = 0
+            self._deliv_cap = 0
+            self._deliv: bytearray = bytearray()
+            self._deliv_c: Any = None
+            self._deliv_mv = memoryview(self._deliv)
+            self.ensure_buffer(64 << 10)
 
-    def on_readable(self) -> None:
-        """The channel fd fired: ack the events, then poll until empty, arming at the end."""
+    # -- connections ------------------------------------------------------------------
+
+    def ensure_buffer(self, buffer_size: int) -> None:
+        """The delivery buffer holds a full pass of ``buffer_size`` payloads (grown between wakes)."""
+        need = _BATCH * buffer_size
+        if need > self._deliv_cap:
+            self._deliv_mv.release()
+            self._deliv = bytearray(need)
+            self._deliv_c = self._ffi.from_buffer(self._deliv)
+            self._deliv_mv = memoryview(self._deliv)
+            self._deliv_cap = need
+
+    def add_native(self, link: Any) -> int:
+        """A cid for a native-path connection (its chan is set with :meth:`set_chan`)."""
+        if self._free:
+            cid = self._free.pop()
+        elif self._next_cid < _MAX_CHANS:
+            cid = self._next_cid
+            self._next_cid += 1
+        else:
+            raise OSError(24, f"more than {_MAX_CHANS - 1} RDMA connections on one device and event loop")
+        self.links[cid] = link
+        return cid
+
+    def set_chan(self, cid: int, chan: Any) -> None:
+        self.chans[cid] = chan
+
+    def remove_native(self, cid: int) -> None:
+        """The connection's QP is destroyed: nothing of it can complete any more."""
+        if self.links.pop(cid, None) is not None:
+            self.chans[cid] = self._ffi.NULL
+            self._free.append(cid)
+
+    def add_mode(self, mode: str, delta: int = 1) -> None:
+        self._modes[POLL_MODES.index(mode)] += delta
+
+    @property
+    def mode(self) -> str:
+        """The poll mode in force (see the module docs)."""
+        if self.local_peers:
+            return "event"
+        modes = self._modes
+        return "busy" if modes[2] else "adaptive" if modes[1] else "event"
+
+    def add_checked(self, delta: int) -> None:
+        """A checked-path connection comes (+1) or goes (-1): it needs every completion to wake us."""
+        self.checked += delta
+        if delta > 0 and self.native is not None and self.armed:
+            self.armed = False  # re-arm for every completion, then look (arm-then-poll)
+            self.poll_now()
+
+    def want_sends(self, delta: int) -> None:
+        """A task starts (+1) or stops (-1) waiting for a send completion."""
+        self.want_any += delta
+        if delta > 0 and self.native is not None:
+            self.armed = False  # re-arm for every completion, then look (arm-then-poll)
+            self.poll_now()
+
+    # -- the fd callback --------------------------------------------------------------------
+
+    def on_readable(self) -> bool:
+        """The channel fd fired (or, while spinning, the loop came back to us); returns True
+        to be called again after the loop ran once (spinning), False to wait for the fd."""
         self.wakes += 1
+        if self.native is not None:
+            return self._native_pass(True)
         try:
             # one CQ on the channel, armed once: at most one event is pending, so one read
-            # does (no second read() that only says EAGAIN); a leftover would only make the
-            # fd readable again
             if self.channel.drain_events(1):
                 self.armed = False
         except OSError as exc:  # the device is gone
             self._fail(exc)
-            return
+            return False
         self.poll_now()
+        return False
+
+    def spin(self) -> bool:
+        """One more spinning pass (called by the event loop backend between loop iterations)."""
+        return self._native_pass(False)
 
     def poll_now(self) -> None:
         """Poll until empty and dispatch; arm before the last poll (see the module docs)."""
         if self._busy:  # a receiver asked for it while we dispatch: one more round
             self._again = True
+            return
+        if self.native is not None:
+            self._native_pass(False, spin=False)
             return
         self._busy = True
         cq, wc, routes = self.cq, self.wc, self.routes
@@ -98,6 +233,80 @@ class Poller:
             self._fail(exc)
         finally:
             self._busy = False
+
+    def _native_pass(self, read_event: bool, spin: bool = True) -> bool:
+        if self._busy:
+            self._again = True
+            return False
+        mode = self.mode if spin else "event"
+        window = 0.0 if mode == "event" else self.spin_window if mode == "adaptive" else self.busy_window
+        now = time.monotonic()
+        spinning = window > 0.0 and now - self._last_activity < window
+        arm = 0 if spinning else 2 if (self.want_any or self.checked) else 1
+        spin_ns = int(self.spin_budget * 1e9) if spinning and not read_event else 0
+        self._busy = True
+        res, out, links = self._res, self._out, self.links
+        wake, chans, others = self._wake, self.chans, self._others
+        activity = False
+        try:
+            while True:
+                self._stamp = stamp = (self._stamp + 1) & 0xFFFFFFFF
+                self.passes += 1
+                # arm unless armed already (reading the channel event disarms)
+                n = wake(1 if read_event else 0, arm if read_event or not self.armed else 0, spin_ns, _BATCH,
+                         chans, _MAX_CHANS, others, _BATCH, out, _BATCH, stamp, self._deliv_c, self._deliv_cap,
+                         res)  # fmt: skip
+                read_event = False
+                if res.events_read:
+                    self.armed = False
+                if res.armed:
+                    self.armed = True
+                if res.err:
+                    raise OSError(-res.err, "aiordma_wake failed")
+                if res.polled:
+                    activity = True
+                if res.others:  # first: they came first on their QP (a foreign WR, then its flushes)
+                    self._route_others(min(res.others, _BATCH))
+                if n:
+                    mv = self._deliv_mv
+                    for i in range(n):
+                        d = out[i]
+                        link = links.get(d.cid)
+                        if link is not None:
+                            length = d.length
+                            try:
+                                link.on_native(mv[d.offset : d.offset + length] if length else None, d.early)
+                            except Exception as exc:  # a bug: that connection fails alone
+                                log.exception("aiordma: handling RDMA completions failed")
+                                link.on_fatal(exc)
+                if res.more or self._again:
+                    self._again = False
+                    spin_ns = 0
+                    continue
+                break
+        except OSError as exc:
+            self._fail(exc)
+            return False
+        finally:
+            self._busy = False
+        if activity:
+            self._last_activity = now = time.monotonic()
+        if not spinning:
+            return False
+        if now - self._last_activity < window:
+            return True
+        self._native_pass(False, spin=False)  # the window closed: arm (arm-then-poll) and sleep
+        return False
+
+    def _route_others(self, n: int) -> None:
+        """Completions of checked-path connections (or of none): decoded and routed by qp_num."""
+        others = self._others
+        entries: list[Entry] = []
+        for i in range(n):
+            w = others[i]
+            entries.append((int(w.wr_id), int(w.status), int(w.opcode), int(w.byte_len),
+                            int(w.imm_data) if w.wc_flags & self._with_imm else -1, int(w.qp_num)))  # fmt: skip
+        self._dispatch(entries)
 
     def _dispatch(self, entries: list[Entry]) -> None:
         by_qp: dict[int, list[Entry]] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from .._errors import RDMAError
 from .config import RdmaConfig, RdmaSetupError
 from .constants import Access, GidEntry, gid_bytes
 from .device import Device
@@ -44,7 +45,14 @@ def readable_gid(gid: bytes) -> str:
 def create_qp(device: Device, config: RdmaConfig) -> tuple[Any, int]:
     """A QP for ``config`` on the device's CQ; returns it and the CQ entries reserved for it."""
     buffers = config.window + config.control
-    qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers)
+    try:
+        qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers,
+                                 max_inline_data=config.max_inline)  # fmt: skip
+    except (RDMAError, OSError):
+        if not config.max_inline:
+            raise
+        # a device without inline sends (or with less): ask for none; the granted caps decide
+        qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers)
     reserved = int(qp.caps.max_send_wr) + int(qp.caps.max_recv_wr)
     try:
         device.reserve_cq(reserved)

@@ -36,6 +36,7 @@ Immediate data is a host-order ``int`` in this API; the C helpers convert.
 from __future__ import annotations
 
 import enum
+import functools
 import errno as _errno
 import importlib
 import ipaddress
@@ -857,6 +858,12 @@ class CompletionQueue(_Resource):
         self._ensure_open("ibv_poll_cq")
         n = arr.n if max_entries is None else min(max_entries, arr.n)
         return _check(int(_lib.aiordma_poll_batch(self._h, n, arr._a)), "ibv_poll_cq")
+
+    def native_waker(self, channel: CompletionChannel | None) -> Any:
+        """``aiordma_wake`` bound to this CQ and ``channel`` (the poller's one call per wake;
+        see ``_native/aiordma_fast.h``).  The poller must stop calling it before this CQ closes."""
+        self._ensure_open("aiordma_wake")
+        return functools.partial(_lib.aiordma_wake, channel._h if channel is not None else _ffi.NULL, self._h)
 
     def poll(self, max_entries: int = 16) -> list[WorkCompletion]:
         """Poll up to ``max_entries`` completions (an empty list if none)."""

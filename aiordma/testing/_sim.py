@@ -57,6 +57,12 @@ class SimProvider:
     def live_objects(self) -> dict[str, int]:
         return self.fabric.live_objects()
 
+    def native(self) -> tuple[Any, Any] | None:
+        """The native data path runs on the simulated wire too (record mode), when it is built."""
+        from .._rdma.fastpath import native_lib
+
+        return native_lib()
+
 
 def simulated_backend(
     config: RdmaConfig | None = None, *, fabric: SimFabric | None = None, ip: str = "127.0.0.1"

@@ -46,7 +46,7 @@ import mmap
 import os
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Generic, Protocol, Self, TypeVar
@@ -358,6 +358,7 @@ class SimFabric:
         self._by_rkey: dict[int, SimMemoryRegion] = {}
         self._held: list[tuple[SimQueuePair, _Completion]] = []
         self._killed: set[int] = set()
+        self._recorders: dict[int, SimQueuePair] = {}  # native-path chan address -> its QP (record mode)
         self._fail_next: dict[int, int] = {}
         self._live: dict[str, int] = dict.fromkeys(_LIVE_KEYS, 0)
 
@@ -783,6 +784,77 @@ class SimCompletionQueue(_SimResource):
         """Same as :meth:`poll_into`: nothing can arrive while spinning, the wire is synchronous."""
         return self.poll_into(arr, max_entries)
 
+    def native_waker(self, channel: SimCompletionChannel | None) -> Callable[..., int]:
+        """``aiordma_wake``'s contract over this CQ: the completions are polled here, and
+        processed by the native module's own C (``aiordma_chan_process``), as on a device."""
+        from aiordma._rdma.fastpath import native_lib
+
+        native = native_lib()
+        if native is None:  # pragma: no cover - the provider offers no native path then
+            raise RuntimeError("the native module is not built")
+        ffi, lib = native
+        raw = ffi.new("struct aiordma_wc[]", 32)
+        used = ffi.new("uint64_t *")
+        n_others = ffi.new("int *")
+        with_imm = int(lib.IBV_WC_WITH_IMM)
+        fabric = self._fabric
+
+        def wake(read_event: int, arm: int, spin_ns: int, max_polled: int, chans: Any, nchans: int, others: Any,
+                 others_cap: int, out: Any, out_cap: int, stamp: int, deliv: Any, deliv_cap: int, res: Any) -> int:  # fmt: skip
+            res.events_read = res.polled = res.others = res.armed = res.more = res.err = 0
+            res.deliv_used = res.spun_ns = 0
+            if read_event and channel is not None:
+                res.events_read = channel.drain_events(1)
+            used[0] = 0
+            n_others[0] = 0
+            n_out = 0
+            armed = False
+            queue = self._queue
+            while True:
+                want = min(max_polled - res.polled, 32)
+                if want <= 0:
+                    res.more = 1
+                    break
+                got = 0
+                while got < want and queue:
+                    c = queue.popleft()
+                    if c.qp is not None and c.sq_seq > c.qp._sq_retired:
+                        c.qp._sq_retired = c.sq_seq
+                    w = raw[got]
+                    w.wr_id, w.status, w.opcode, w.byte_len, w.qp_num = c.wr_id, c.status, c.opcode, c.byte_len, c.qp_num
+                    w.src_qp, w.vendor_err = c.src_qp, 0
+                    if c.imm >= 0:
+                        w.imm_data, w.wc_flags = c.imm, with_imm
+                    else:
+                        w.imm_data, w.wc_flags = 0, 0
+                    got += 1
+                fabric.counters["polls"] += 1
+                fabric.counters["polled"] += got
+                if got:
+                    res.polled += got
+                    n_out = lib.aiordma_chan_process(chans, nchans, raw, got, out, out_cap, n_out, stamp, deliv,
+                                                     deliv_cap, used, others, others_cap, n_others)  # fmt: skip
+                    continue
+                if arm and not armed:
+                    self.req_notify(arm == 1)
+                    armed = True
+                    res.armed = 1
+                    continue
+                break
+            res.others = n_others[0]
+            res.deliv_used = used[0]
+            lib.aiordma_chan_finish(chans, nchans, out, n_out)
+            recorders = fabric._recorders
+            for i in range(n_out):
+                chan = chans[out[i].cid]
+                if chan != ffi.NULL:
+                    qp = recorders.get(int(ffi.cast("uintptr_t", chan)))
+                    if qp is not None:
+                        qp.post_records(chan)
+            return n_out
+
+        return wake
+
     def poll(self, max_entries: int = 16) -> list[SimWorkCompletion]:
         arr = self._scratch if max_entries <= self._scratch.n else SimWCArray(max_entries)
         return arr.decode(self.poll_into(arr, max_entries))
@@ -806,7 +878,7 @@ class SimCompletionQueue(_SimResource):
         counters["completions"] += 1
         if c.status != _OK:
             counters["errors"] += 1
-        if self._armed == 2 or (self._armed == 1 and (c.solicited or c.status != _OK)):
+        if self._armed == 2 or (self._armed == 1 and c.solicited):
             self._armed = 0
             if self.channel is not None:
                 self.channel._signal(self)
@@ -994,6 +1066,43 @@ class SimQueuePair(_SimResource):
     def post_send(self, wr: SendWR) -> None:
         self.post_send_batch((wr,))
 
+    def post_records(self, chan: Any) -> None:
+        """Post what the native path recorded for this QP (record mode: ``_native/aiordma_fast.h``).
+
+        A refused post is recorded in the chan as the native code records its own
+        (``AIORDMA_E_POST``): the session fails with it.
+        """
+        from aiordma._rdma.fastpath import native_lib
+
+        native = native_lib()
+        assert native is not None
+        ffi, lib = native
+        self._fabric._recorders[int(ffi.cast("uintptr_t", chan))] = self
+        err = 0
+        n = chan.rec_send_n
+        if n:
+            chan.rec_send_n = 0
+            for i in range(n):
+                w = chan.rec_send[i]
+                flags = int(w.send_flags)
+                data = ffi.buffer(ffi.cast("char *", w.addr), w.length)[:] if flags & INLINE else None
+                if not err:
+                    imm = int(w.imm_data) if w.opcode == Opcode.SEND_WITH_IMM else 0
+                    err = self._post_send(int(w.opcode), int(w.wr_id), int(w.addr), int(w.length), int(w.lkey),
+                                          0, 0, imm, flags, inline_data=data)  # fmt: skip
+        m = chan.rec_recv_n
+        if m:
+            chan.rec_recv_n = 0
+            for i in range(m):
+                wr_id = int(chan.rec_recv[i])
+                if not err:
+                    slot = wr_id & 0xFFFFFFFF
+                    err = self._post_recv(wr_id, int(chan.raddr) + slot * int(chan.rslot), int(chan.buffer_size),
+                                          int(chan.rlkey))  # fmt: skip
+        if err and not chan.error:
+            chan.error, chan.error_arg = lib.AIORDMA_E_POST, err
+            chan.events |= lib.AIORDMA_EVT_ERROR
+
     def post_send_batch(self, wrs: Sequence[SendWR]) -> None:
         """Post (and at once execute) send WRs in order; :class:`PostError` says how many were posted."""
         self._ensure_open("ibv_post_send")
@@ -1018,7 +1127,7 @@ class SimQueuePair(_SimResource):
         return 0
 
     def _post_send(self, op: int, wr_id: int, addr: int, length: int, lkey: int, raddr: int, rkey: int,
-                   imm: int, flags: int) -> int:  # fmt: skip
+                   imm: int, flags: int, inline_data: bytes | None = None) -> int:  # fmt: skip
         """Post one send WR and execute it; returns 0 or the errno refusing it."""
         fab = self._fabric
         if self._state not in (QPState.RTS, QPState.ERR) or op not in _WC_OF or length < 0:
@@ -1029,9 +1138,12 @@ class SimQueuePair(_SimResource):
         if flags & INLINE:  # copied at post time, from any memory (here: any registered memory)
             if op == Opcode.RDMA_READ or length > self.caps.max_inline_data:
                 return errno.EINVAL
-            if length and not fab._registered(addr, length):
+            if inline_data is not None:  # (record mode: the native path copied the bytes already)
+                data = inline_data
+            elif length and not fab._registered(addr, length):
                 return errno.EFAULT
-            data = ctypes.string_at(addr, length) if length else b""
+            else:
+                data = ctypes.string_at(addr, length) if length else b""
         self._sq_posted += 1
         fab.counters["posts"] += 1
         w = _Work(op, wr_id, addr, length, lkey, raddr, rkey, imm, self._sq_sig_all or bool(flags & SIGNALED),
@@ -1137,15 +1249,19 @@ class SimQueuePair(_SimResource):
     def _recv_done(self, wr_id: int, status: int, opcode: int = WCOpcode.RECV, byte_len: int = 0, imm: int = -1,
                    src_qp: int = 0, solicited: bool = False) -> None:  # fmt: skip
         if self.qp_num not in self._fabric._killed or status == WCStatus.WR_FLUSH_ERR:
-            # a killed QP receives nothing any more; its own teardown still gets its flushes
+            # a killed QP receives nothing any more; its own teardown still gets its flushes.
+            # Like rxe, a receive completed in error (a flush) counts as solicited: it wakes a
+            # CQ armed solicited-only (a send completed in error does not)
             self.recv_cq._push(_Completion(wr_id, status, opcode, byte_len, imm, self.qp_num, src_qp=src_qp,
-                                           solicited=solicited))  # fmt: skip
+                                           solicited=solicited or status != _OK))  # fmt: skip
 
     def close(self) -> None:
         """Destroy the QP: it becomes unknown to the fabric; its held completions are dropped."""
         if self._closed:
             return
         fab = self._fabric
+        for key in [k for k, qp in fab._recorders.items() if qp is self]:
+            del fab._recorders[key]
         fab._qps.pop(self.qp_num, None)
         self.context._qps.pop(self.qp_num, None)
         fab._fail_next.pop(self.qp_num, None)
