@@ -208,13 +208,16 @@ class Channel(_Endpoint, ObjectStream[bytes]):
     channel`` ends at the peer's EOF or close.
     """
 
-    async def receive(self) -> bytes:
-        return await self._core.receive_message()
+    # These two hand out the Core's coroutine (one frame fewer per message on the hot path);
+    # awaiting it is what anyio's ``async def`` contract asks for.
 
-    async def send(self, item: bytes) -> None:
+    def receive(self) -> Coroutine[Any, Any, bytes]:
+        return self._core.receive_message()
+
+    def send(self, item: bytes) -> Coroutine[Any, Any, None]:
         if not isinstance(item, (bytes, bytearray, memoryview)):
             raise TypeError(f"send() takes bytes, not {type(item).__name__}")
-        await self._core.send_data(item)
+        return self._core.send_data(item)
 
 
 

@@ -625,6 +625,117 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- perf ------------------------------------------------------------------------
+
+
+def _loop_of(name: str, prog: str) -> tuple[str, dict[str, Any]] | None:
+    if name == "trio":
+        return "trio", {}
+    if name == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print(f"{prog}: error: --backend uvloop needs uvloop (pip install 'aiordma[uvloop]')", file=sys.stderr)
+            return None
+        return "asyncio", {"loop_factory": uvloop.new_event_loop}
+    return "asyncio", {}
+
+
+def _sizes(text: str) -> list[int]:
+    return [_size(part) for part in text.split(",") if part.strip()]
+
+
+def cmd_perf(args: argparse.Namespace) -> int:
+    from . import _perf
+
+    prog = f"aiordma perf {args.role}"
+    loop = _loop_of(args.backend, prog)
+    if loop is None:
+        return EXIT_USAGE
+    if args.role == "server":
+
+        def ready(ports: list[int]) -> None:
+            print(f"aiordma perf server: listening on {args.host} ports {ports[0]}-{ports[-1]} "
+                  f"(poll modes {', '.join(_perf.POLL_MODES)})", flush=True)  # fmt: skip
+
+        try:
+            anyio.run(lambda: _perf.serve(args.host, args.port, max_connections=args.max_connections,
+                                          on_ready=ready), backend=loop[0], backend_options=loop[1])  # fmt: skip
+        except KeyboardInterrupt:
+            return EXIT_OK
+        return EXIT_OK
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    polls = [m.strip() for m in args.poll.split(",") if m.strip()]
+    for t in transports:
+        if t not in ("rdma", "tcp"):
+            print(f"{prog}: error: unknown transport {t!r} (rdma, tcp)", file=sys.stderr)
+            return EXIT_USAGE
+    for m in polls:
+        if m not in _perf.POLL_MODES:
+            print(f"{prog}: error: unknown poll mode {m!r} ({', '.join(_perf.POLL_MODES)})", file=sys.stderr)
+            return EXIT_USAGE
+    if not args.local and not args.host:
+        print(f"{prog}: error: give the server's HOST, or --local", file=sys.stderr)
+        return EXIT_USAGE
+    host = args.host or demo_host()
+    total = len(args.sizes) * 2 * sum(len(polls) if t == "rdma" else 1 for t in transports)
+    bar = _perf.Progress(total, enabled=not args.no_progress)
+
+    async def client(ports: list[int]) -> list[_perf.PerfLine]:
+        return await _perf.run_client(
+            host, ports, transports=transports, polls=polls, sizes=args.sizes, iterations=args.iterations,
+            bw_bytes=args.bw_bytes, latency_bytes=args.lat_bytes, timeout=args.timeout, progress=bar.update,
+        )  # fmt: skip
+
+    async def local() -> list[_perf.PerfLine]:
+        ports: list[int] = []
+        ready = anyio.Event()
+
+        def on_ready(p: list[int]) -> None:
+            ports.extend(p)
+            ready.set()
+
+        lines: list[_perf.PerfLine] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _perf.serve(host, 0, on_ready=on_ready))
+            await ready.wait()
+            try:
+                lines = await client(ports)
+            finally:
+                tg.cancel_scope.cancel()
+        return lines
+
+    async def remote() -> list[_perf.PerfLine]:
+        return await client([args.port + i for i in range(len(_perf.POLL_MODES))])
+
+    try:
+        lines = anyio.run(local if args.local else remote, backend=loop[0], backend_options=loop[1])
+    finally:
+        bar.close()
+    meta = {
+        "host": host, "local": bool(args.local), "backend": args.backend, "sizes": args.sizes,
+        "iterations": args.iterations, "bw_bytes": args.bw_bytes, "python": platform.python_version(),
+        "aiordma": _version("aiordma"),
+    }  # fmt: skip
+    if args.json:
+        print(_perf.to_json(lines, meta))
+    else:
+        where = "client and server in this process" if args.local else f"server {host}:{args.port}"
+        print(f"aiordma perf ({where}, {args.backend})")
+        print(_perf.format_table(lines))
+    if args.plot:
+        try:
+            _perf.write_plot(lines, args.plot, title=f"aiordma perf ({'local' if args.local else host}, {args.backend})")
+        except RuntimeError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    failed = [line for line in lines if line.note]
+    for line in failed:
+        print(f"{prog}: {line.label}: {line.note}", file=sys.stderr)
+    return EXIT_FAILED if failed and len(failed) == len(lines) else EXIT_OK
+
+
 # -- entry point ---------------------------------------------------------------
 
 
@@ -682,6 +793,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--timeout", type=float, default=120.0, metavar="S", help="give up after S seconds (default 120)")
     demo.set_defaults(func=cmd_demo)
+
+    perf = sub.add_parser(
+        "perf",
+        help="latency and bandwidth over message sizes, per transport and poll mode",
+        description=(
+            "Like ib_send_lat / ib_write_bw: 'aiordma perf server' listens (three ports, one per RDMA poll mode); "
+            "'aiordma perf client HOST' measures round-trip latency (p50/p99/p99.9) and bandwidth for each size, "
+            "over RDMA in each poll mode and over TCP, and prints a table with ratios to TCP.  --local runs both "
+            "in this process.  --plot FILE.png draws latency and bandwidth against size; --json prints the data."
+        ),
+    )
+    perf_sub = perf.add_subparsers(dest="role", metavar="ROLE")
+    perf_sub.required = True
+    server = perf_sub.add_parser("server", help="serve perf clients")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    server.add_argument("--port", type=int, default=18515, help="first of three ports (default 18515)")
+    server.add_argument("--max-connections", type=_positive, default=None, metavar="N",
+                        help="stop after serving N connections (default: run until interrupted)")  # fmt: skip
+    client = perf_sub.add_parser("client", help="measure against a perf server (or --local)")
+    client.add_argument("host", nargs="?", default=None, help="the server's address")
+    client.add_argument("--local", action="store_true", help="run the server in this process too")
+    client.add_argument("--port", type=int, default=18515, help="the server's first port (default 18515)")
+    client.add_argument("--transports", default="rdma,tcp", help="comma-separated: rdma,tcp (default both)")
+    client.add_argument("--poll", default=",".join(("event", "adaptive", "busy")),
+                        help="RDMA poll modes, comma-separated (default event,adaptive,busy)")  # fmt: skip
+    client.add_argument("--sizes", type=_sizes, default=[64, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20,
+                                                          4 << 20, 16 << 20],
+                        help="message sizes, comma-separated (default 64,1K,16K,64K,256K,1M,4M,16M)")  # fmt: skip
+    client.add_argument("--iterations", type=_positive, default=1000, help="round trips per size (default 1000)")
+    client.add_argument("--lat-bytes", type=_size, default=64 * MiB, metavar="N",
+                        help="cap the round trips of a size at N bytes' worth (default 64M)")  # fmt: skip
+    client.add_argument("--bw-bytes", type=_size, default=64 * MiB, metavar="N",
+                        help="bytes sent per size for bandwidth (default 64M)")  # fmt: skip
+    client.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per run (default 300 s)")
+    client.add_argument("--plot", metavar="FILE.png", default=None, help="write a plot (needs matplotlib)")
+    client.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    client.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for p in (server, client):
+        p.add_argument("--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio",
+                       help="event loop (default asyncio)")  # fmt: skip
+        p.set_defaults(func=cmd_perf)
     return parser
 
 

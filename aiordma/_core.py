@@ -56,10 +56,13 @@ from ._protocol import (
     Event,
     Half,
     Message,
+    MessageSink,
     Mode,
 )
 
 __all__ = ["Core", "Link"]
+
+_OPEN = Half.OPEN
 
 #: A push link stops reading from the socket when this many received bytes
 #: wait in the Core, and reads again below a quarter of it.
@@ -83,6 +86,10 @@ class Link(abc.ABC):
 
     @abc.abstractmethod
     async def send(self, chunks: Sequence[Chunk]) -> None: ...
+
+    #: whether readers must call :meth:`consumed` (a link may clear it while it has no use for
+    #: the call: the RDMA native path between wakes that withheld no credit)
+    needs_consumed: bool = True
 
     def consumed(self) -> None:
         """A reader took bytes out of the Core."""
@@ -145,8 +152,9 @@ class Core:
         #: received stream bytes; also the protocol's data sink (never replaced)
         self.rbuf = bytearray()
         proto.data_sink = self.rbuf
-        self.messages: deque[bytes] = deque()
-        self.message_bytes = 0
+        #: received messages; also the protocol's message sink (never replaced)
+        self.messages = MessageSink()
+        proto.message_sink = self.messages
         self.control: deque[Event] = deque()
         self.peer_eof = False
         self.peer_close: ConnectionClosed | None = None
@@ -168,7 +176,7 @@ class Core:
             elif kind is Message:
                 data: bytes = ev.data  # type: ignore[union-attr]
                 self.messages.append(data)
-                self.message_bytes += len(data)
+                self.messages.nbytes += len(data)
             elif kind is EndOfStreamEvent:
                 self.peer_eof = True
             elif kind is ConnectionClosed:
@@ -185,7 +193,8 @@ class Core:
             self.on_events(exc.pending_events)
             self.on_error(exc)
         else:
-            self.on_events(events)
+            if events:  # (data and messages went to the sinks)
+                self.on_events(events)
 
     def feed_eof(self, exc: BaseException | None = None) -> None:
         """The byte transport ended, in order (``exc`` None) or not."""
@@ -205,7 +214,12 @@ class Core:
 
     @property
     def buffered(self) -> int:
-        return len(self.rbuf) + self.message_bytes
+        return len(self.rbuf) + self.messages.nbytes
+
+    @property
+    def message_bytes(self) -> int:
+        """Bytes of received messages not read yet."""
+        return self.messages.nbytes
 
     # -- checks (raise anyio's exceptions) -----------------------------------
 
@@ -249,7 +263,8 @@ class Core:
             with memoryview(rbuf) as view:
                 data = bytes(view[:max_bytes])  # one copy, not two
             del rbuf[:max_bytes]
-        self.link.consumed()
+        if self.link.needs_consumed:
+            self.link.consumed()
         return data
 
     async def receive_message(self) -> bytes:
@@ -257,16 +272,19 @@ class Core:
         if messages:
             await self.checkpoint()
         while not messages:
-            self.check_receive()
+            if self.closed or self.peer_eof or self.error is not None:
+                self.check_receive()
             await self.link.incoming()
         data = messages.popleft()
-        self.message_bytes -= len(data)
-        self.link.consumed()
+        messages.nbytes -= len(data)
+        if self.link.needs_consumed:
+            self.link.consumed()
         return data
 
     async def send_data(self, data: bytes | bytearray | memoryview) -> None:
         await self.checkpoint()  # a cancel point and a schedule point, before anything is sent
-        self.check_send()
+        if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
+            self.check_send()
         if self.proto.mode is Mode.MESSAGES:
             chunks = self.proto.send_message(data)
         else:

@@ -27,6 +27,7 @@ Backends are chosen per event loop by :func:`current_io`; the loop's identity
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -132,7 +133,12 @@ class AsyncioIO(IOBackend):
                     loop.call_soon(respin)
 
             def on_fd() -> None:
-                if run() and not state["scheduled"]:
+                try:
+                    again = callback()
+                except Exception:  # pragma: no cover - a bug; keep the watcher alive and say so
+                    log.exception("aiordma: an fd watcher callback failed")
+                    again = False
+                if again and not state["scheduled"]:
                     state["scheduled"] = True
                     loop.call_soon(respin)
 
@@ -203,8 +209,7 @@ class TrioIO(IOBackend):
         return self._trio.lowlevel.checkpoint()
 
 
-def _asyncio_checkpoint() -> Awaitable[None]:
-    return asyncio.sleep(0)
+_asyncio_checkpoint: Callable[[], Awaitable[None]] = functools.partial(asyncio.sleep, 0)  # (C: no frame of ours)
 
 
 def current_checkpoint() -> Callable[[], Awaitable[None]]:

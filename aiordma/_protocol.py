@@ -35,6 +35,7 @@ attribute lookup costs several times a global one.
 from __future__ import annotations
 
 import enum
+from collections import deque
 import struct
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, Union
@@ -200,6 +201,7 @@ _END_OF_STREAM: Final = EndOfStream()
 _S_OPEN: Final = State.OPEN
 _H_OPEN: Final = Half.OPEN
 _M_STREAM: Final = Mode.STREAM
+_M_MESSAGES: Final = Mode.MESSAGES
 _T_DATA: Final = 0x10  # FrameType.DATA, as a plain int
 _T_MESSAGE: Final = 0x11  # FrameType.MESSAGE
 assert int(FrameType.DATA) == _T_DATA and int(FrameType.MESSAGE) == _T_MESSAGE
@@ -215,6 +217,18 @@ _DATA_WORD: Final = _T_DATA << 24
 #: A DATA header as one 64-bit number: _DATA_HEADER | length (length < 2**32).
 _pack_u64: Final = struct.Struct("!Q").pack
 _DATA_HEADER: Final = _DATA_WORD << 32
+#: ... and of a valid MESSAGE header
+_MESSAGE_WORD: Final = _T_MESSAGE << 24
+
+
+class MessageSink(deque[bytes]):
+    """Where whole MESSAGE payloads go without an event (the message twin of
+    ``data_sink``); ``nbytes`` counts the bytes it holds (the reader subtracts
+    what it takes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
 
 
 def _decode_reason(raw: bytes | memoryview, what: str) -> str:
@@ -409,6 +423,8 @@ class Connection:
         self._data_left = 0  # payload bytes left in the current DATA frame
         #: where DATA payloads go instead of Data events (see the class docs)
         self.data_sink: bytearray | None = None
+        #: where whole MESSAGE payloads go in message mode (no Message events for them)
+        self.message_sink: MessageSink | None = None
 
     # -- state machinery ---------------------------------------------------
 
@@ -617,7 +633,42 @@ class Connection:
                     self._shrink()
                 return []
             self._start = pos
+        elif (
+            self.message_sink is not None
+            and self.state is _S_OPEN
+            and self.recv_half is _H_OPEN
+            and self.mode is _M_MESSAGES
+        ):
+            pos = self._sink_messages(self.message_sink, self._view, self._start, end)
+            if pos == end:
+                self._start = self._end = 0
+                if self._size > RECV_BUFFER_SIZE:
+                    self._shrink()
+                return []
+            self._start = pos
         return self._parse()
+
+    def _sink_messages(self, sink: MessageSink, view: memoryview, pos: int, end: int) -> int:
+        """The message fast path: whole MESSAGE frames at ``view[pos:end]`` go to ``sink``.
+
+        Called only with state ``OPEN``, receive half ``OPEN`` and message mode,
+        where the tables allow MESSAGE and leave the half as it is.  Every
+        header is checked as in :meth:`_parse`; at the first frame that is not
+        a whole, valid MESSAGE it stops and returns its position, and the
+        general parser takes over (and raises if need be).
+        """
+        limit = self.max_message_size
+        while end - pos >= _HEADER_SIZE:
+            word, length = _unpack_words(view, pos)
+            if word != _MESSAGE_WORD or length > limit:
+                break
+            first = pos + _HEADER_SIZE
+            if end - first < length:
+                break
+            pos = first + length
+            sink.append(bytes(view[first:pos]))
+            sink.nbytes += length
+        return pos
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
         """Feed bytes from the peer; returns the events they complete."""
@@ -629,6 +680,38 @@ class Connection:
             return []
         sink = self.data_sink
         pos = 0
+        msink = self.message_sink
+        if (
+            msink is not None
+            and self._start == self._end
+            and self.state is _S_OPEN
+            and self.recv_half is _H_OPEN
+            and self.mode is _M_MESSAGES
+        ):
+            # nothing buffered: whole MESSAGE frames go straight from the caller's bytes
+            view = memoryview(data)
+            try:
+                # whole MESSAGE frames (the loop of _sink_messages, inlined: it runs per message)
+                limit = self.max_message_size
+                while n - pos >= _HEADER_SIZE:
+                    word, length = _unpack_words(view, pos)
+                    if word != _MESSAGE_WORD or length > limit:
+                        break
+                    first = pos + _HEADER_SIZE
+                    if n - first < length:
+                        break
+                    pos = first + length
+                    msink.append(bytes(view[first:pos]))
+                    msink.nbytes += length
+                if pos == n:
+                    return []
+                self._reserve(n - pos)
+                self._buf[0 : n - pos] = view[pos:]
+            finally:
+                view.release()
+            self._start = 0
+            self._end = n - pos
+            return self._parse()
         if (
             sink is not None
             and self._start == self._end

@@ -110,7 +110,8 @@ class Device:
             native_of = getattr(provider, "native", None)
             self.poller = Poller(self.cq, self.channel, provider.WCArray(64), native_of() if native_of else None)
             self.poller.on_error = self._fail_all
-            self._watches.append(io.watch(self.channel.fileno(), self.poller.on_readable, self.poller.spin))
+            on_fd = self.poller._native_pass if self.poller.native is not None else self.poller.on_readable
+            self._watches.append(io.watch(self.channel.fileno(), on_fd, self.poller.spin))
             self._watches.append(io.watch(ctx.fileno(), self._on_async_event))
             self.poller.poll_now()  # arms the CQ
         except BaseException:

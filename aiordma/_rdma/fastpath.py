@@ -349,13 +349,20 @@ class NativeSession:
                 self._check_c()
         if taken == total:
             return self.enqueued
+        return self.after_partial(a, total, taken, b)
+
+    def after_partial(self, a: bytes | bytearray | memoryview, total: int, taken: int,
+                      b: bytes | bytearray | memoryview = b"") -> int:  # fmt: skip
+        """A send took ``taken`` of ``total`` bytes (already counted in :attr:`enqueued`): the rest
+        waits in the backlog, in order (or the post failed).  Returns the byte mark that ends it."""
         if taken < 0:
             self._check_c()
             return self.enqueued
-        # the rest waits in the backlog, in order
         self.enqueued -= total - taken
+        na = memoryview(a).nbytes
         if taken < na:
-            self.queue([memoryview(a).cast("B")[taken:], b] if nb else [memoryview(a).cast("B")[taken:]])
+            rest = memoryview(a).cast("B")[taken:]
+            self.queue([rest, b] if len(b) else [rest])
         else:
             self.queue([memoryview(b).cast("B")[taken - na :]])
         return self.enqueued

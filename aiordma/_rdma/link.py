@@ -53,7 +53,7 @@ from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
 from .device import Device, acquire_device
-from .fastpath import EVT_DATA, NativeSession
+from .fastpath import EVT_DATA, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
@@ -64,6 +64,7 @@ log = logging.getLogger("aiordma")
 
 _SIGNALED = 2
 _SOLICITED = 4
+_EVENTS_BESIDES_DATA = ~(EVT_DATA | EVT_ROOM)
 
 
 def _address(link: Link, attribute: Any) -> str | None:
@@ -253,7 +254,7 @@ class RdmaLink(Link):
         # the peer's QP on this very poller: same loop, same thread -- spinning would only delay it
         if peer.qp_num in device.poller.routes and peer.gid == self.gid_entry.gid.packed:
             self._local_peer = True
-            device.poller.local_peers += 1
+            device.poller.add_local_peer(1)
 
     async def probe(self) -> None:
         """Prove the path: a zero-length RDMA WRITE must be ACKed (step ``probe``)."""
@@ -369,11 +370,16 @@ class RdmaLink(Link):
             if self._active:
                 core = self.core
                 core.feed(view)
+                # what C counts as unread from now on: what the Core holds (the reader may have
+                # taken some since the last wake); a reader's consumed() is only needed to
+                # release credits that C withheld
+                c.unread = len(core.rbuf) + core.messages.nbytes
+                self.needs_consumed = c.withheld != 0
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
             elif early:
                 self._early.append(bytes(view))
-        if events != EVT_DATA:
+        if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence)):
             session.on_events(events)
         if session.error is not None and not had_error:
             self._broke()
@@ -469,17 +475,17 @@ class RdmaLink(Link):
         await self.incoming()
 
     def incoming(self) -> Awaitable[None]:
-        if self._finished():
-            return self.wait_incoming()
         session = self.session
-        if session is not None and session.withheld:
+        if session is None or session.error is not None or self._closing or self.core.closed:
+            return self.wait_incoming()
+        if (session.c.withheld if self._native else session.withheld):
             # a reader waits although much is buffered (a long line, a large
             # message): it wants more, so the peer gets its credits back
             session.consumed(0)
             work = session.flush()
             if work:
                 self._post_send(work)
-        return self._wait()
+        return self._parking.park()  # type: ignore[no-any-return]
 
     def consumed(self) -> None:
         session = self.session
@@ -487,6 +493,7 @@ class RdmaLink(Link):
             c = session.c
             if (c.unread >= session._quarter or c.withheld) and session.consumed(self.core.buffered):
                 session.flush()
+            self.needs_consumed = c.withheld != 0
             return
         if session is not None and session.withheld and session.consumed(self.core.buffered):
             work = session.flush()
@@ -529,7 +536,22 @@ class RdmaLink(Link):
             and not self.core.closed
         ):
             # the fast path: one C call posts it all (or what credits and slots allow)
-            end = session.send_now(chunks)
+            if len(chunks) == 1 and type(chunks[0]) is bytes and not session._backlog:
+                data = chunks[0]  # (a small frame: the protocol joined header and payload)
+                n = len(data)
+                session.enqueued += n
+                c = session.c
+                taken = session._send(c, data, n, b"", 0, 0)
+                if session.record is not None:  # the simulated wire posts what C recorded
+                    session.record(c)
+                    if c.error:
+                        session._check_c()
+                        taken = -1 if taken == n else taken
+                if taken == n:
+                    return
+                end = session.after_partial(data, n, taken)
+            else:
+                end = session.send_now(chunks)
             if session.error is None:
                 if session.c.posted_bytes >= end:
                     return
@@ -698,7 +720,7 @@ class RdmaLink(Link):
                     poller.add_checked(-1)
             if self._local_peer:
                 self._local_peer = False
-                poller.local_peers -= 1
+                poller.add_local_peer(-1)
         qp_gone = self.qp is None
         if self.qp is not None:
             attempt(self.qp.close)

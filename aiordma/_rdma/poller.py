@@ -95,6 +95,8 @@ class Poller:
         self.checked = 0  # connections on the checked path (they need every completion)
         self.local_peers = 0  # connections whose peer QP is on this poller
         self._modes = [0, 0, 0]  # connections per poll mode
+        #: the poll mode in force (see the module docs)
+        self.mode = "event"
         self.spin_budget = 50e-6
         self.spin_window = 100e-6
         self.busy_window = 1.0
@@ -154,14 +156,19 @@ class Poller:
 
     def add_mode(self, mode: str, delta: int = 1) -> None:
         self._modes[POLL_MODES.index(mode)] += delta
+        self._update_mode()
 
-    @property
-    def mode(self) -> str:
-        """The poll mode in force (see the module docs)."""
-        if self.local_peers:
-            return "event"
+    def add_local_peer(self, delta: int) -> None:
+        """A connection whose peer QP is on this poller comes (+1) or goes (-1)."""
+        self.local_peers += delta
+        self._update_mode()
+
+    def _update_mode(self) -> None:
         modes = self._modes
-        return "busy" if modes[2] else "adaptive" if modes[1] else "event"
+        if self.local_peers:
+            self.mode = "event"
+        else:
+            self.mode = "busy" if modes[2] else "adaptive" if modes[1] else "event"
 
     def add_checked(self, delta: int) -> None:
         """A checked-path connection comes (+1) or goes (-1): it needs every completion to wake us."""
@@ -182,9 +189,9 @@ class Poller:
     def on_readable(self) -> bool:
         """The channel fd fired (or, while spinning, the loop came back to us); returns True
         to be called again after the loop ran once (spinning), False to wait for the fd."""
-        self.wakes += 1
         if self.native is not None:
             return self._native_pass(True)
+        self.wakes += 1
         try:
             # one CQ on the channel, armed once: at most one event is pending, so one read
             if self.channel.drain_events(1):
@@ -234,7 +241,10 @@ class Poller:
         finally:
             self._busy = False
 
-    def _native_pass(self, read_event: bool, spin: bool = True) -> bool:
+    def _native_pass(self, read_event: bool = True, spin: bool = True) -> bool:
+        """One wake (the fd callback itself with the native module: no frame in between)."""
+        if read_event:
+            self.wakes += 1
         if self._busy:
             self._again = True
             return False
