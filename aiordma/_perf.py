@@ -121,15 +121,26 @@ async def serve(host: str, port: int, *, max_connections: int | None = None,
         if max_connections is not None and served >= max_connections:
             done.set()
 
-    listeners = []
+    listeners: list[Any] = []
     try:
-        for i, mode in enumerate(POLL_MODES):
-            listeners.append(
-                await create_channel_listener(
-                    host, port + i if port else 0, transport="auto", max_message_size=MAX_MESSAGE,
-                    rdma_backend=_backend(mode),
-                )  # fmt: skip
-            )
+        for attempt in range(20):  # port 0: three consecutive free ports, the first one the system's pick
+            try:
+                first = port
+                for i, mode in enumerate(POLL_MODES):
+                    lst = await create_channel_listener(
+                        host, first + i if first else 0, transport="auto", max_message_size=MAX_MESSAGE,
+                        rdma_backend=_backend(mode),
+                    )  # fmt: skip
+                    listeners.append(lst)
+                    if not first:
+                        first = lst.port
+                break
+            except OSError:
+                for lst in listeners:
+                    await lst.aclose()
+                listeners.clear()
+                if port or attempt == 19:
+                    raise
         if on_ready is not None:
             on_ready([lst.port for lst in listeners])
         async with anyio.create_task_group() as tg:

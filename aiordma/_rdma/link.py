@@ -52,7 +52,7 @@ from .._protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
-from .device import Device, acquire_device
+from .device import Device, acquire_device, open_devices
 from .fastpath import EVT_DATA, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
@@ -251,8 +251,12 @@ class RdmaLink(Link):
             signal_every=cfg.signal_every,
             high_water=RECEIVE_HIGH_WATER,
         )
-        # the peer's QP on this very poller: same loop, same thread -- spinning would only delay it
-        if peer.qp_num in device.poller.routes and peer.gid == self.gid_entry.gid.packed:
+        # the peer's QP on a device of this very loop: same thread -- spinning would only delay it
+        if any(
+            other.io.key == self.io.key and peer.qp_num in other.poller.routes
+            and any(e.gid.packed == peer.gid for e in other.gids)
+            for other in open_devices()
+        ):  # fmt: skip
             self._local_peer = True
             device.poller.add_local_peer(1)
 

@@ -250,8 +250,8 @@ class Poller:
             return False
         mode = self.mode if spin else "event"
         window = 0.0 if mode == "event" else self.spin_window if mode == "adaptive" else self.busy_window
-        now = time.monotonic()
-        spinning = window > 0.0 and now - self._last_activity < window
+        # a spinning mode polls without arming; whether to go on is decided after the pass
+        spinning = window > 0.0
         arm = 0 if spinning else 2 if (self.want_any or self.checked) else 1
         spin_ns = int(self.spin_budget * 1e9) if spinning and not read_event else 0
         self._busy = True
@@ -299,12 +299,13 @@ class Poller:
             return False
         finally:
             self._busy = False
-        if activity:
-            self._last_activity = now = time.monotonic()
         if not spinning:
             return False
+        now = time.monotonic()
+        if activity:
+            self._last_activity = now
         if now - self._last_activity < window:
-            return True
+            return True  # go on polling after the loop ran once
         self._native_pass(False, spin=False)  # the window closed: arm (arm-then-poll) and sleep
         return False
 
