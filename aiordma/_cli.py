@@ -684,7 +684,8 @@ def cmd_perf(args: argparse.Namespace) -> int:
     async def client(ports: list[int]) -> list[_perf.PerfLine]:
         return await _perf.run_client(
             host, ports, transports=transports, polls=polls, sizes=args.sizes, iterations=args.iterations,
-            bw_bytes=args.bw_bytes, latency_bytes=args.lat_bytes, timeout=args.timeout, progress=bar.update,
+            bw_bytes=args.bw_bytes, latency_bytes=args.lat_bytes, bw_messages=args.bw_messages, timeout=args.timeout,
+            progress=bar.update,
         )  # fmt: skip
 
     async def local() -> list[_perf.PerfLine]:
@@ -826,6 +827,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap the round trips of a size at N bytes' worth (default 64M)")  # fmt: skip
     client.add_argument("--bw-bytes", type=_size, default=64 * MiB, metavar="N",
                         help="bytes sent per size for bandwidth (default 64M)")  # fmt: skip
+    client.add_argument("--bw-messages", type=_positive, default=20_000, metavar="N",
+                        help="... and at most N messages (default 20000)")  # fmt: skip
     client.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per run (default 300 s)")
     client.add_argument("--plot", metavar="FILE.png", default=None, help="write a plot (needs matplotlib)")
     client.add_argument("--json", action="store_true", help="print JSON instead of the table")

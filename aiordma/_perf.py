@@ -196,6 +196,7 @@ async def run_client(
     iterations: int = 1000,
     bw_bytes: int = 64 << 20,
     latency_bytes: int = 64 << 20,
+    bw_messages: int = 20_000,
     timeout: float = 300.0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[PerfLine]:
@@ -222,7 +223,7 @@ async def run_client(
             result = PerfResult(size)
             line.results.append(result)
             lat_count = max(10, min(iterations, latency_bytes // size))
-            bw_count = max(4, bw_bytes // size)
+            bw_count = max(4, min(bw_messages, bw_bytes // size))
             try:
                 with anyio.fail_after(timeout):
                     async with await open_channel() as channel:

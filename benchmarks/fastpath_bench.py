@@ -45,7 +45,7 @@ def _run_json(cmd: list[str], timeout: float = 1800) -> Any:
 
 def aiordma_perf(host: str, two: bool, args: argparse.Namespace, plot: str | None) -> dict[str, dict[str, float]]:
     common = ["--sizes", "64,1M", "--iterations", str(args.round_trips), "--bw-bytes", f"{args.megabytes}M",
-              "--json", "--no-progress"]  # fmt: skip
+              "--bw-messages", "5000", "--json", "--no-progress"]  # fmt: skip
     if plot:
         common += ["--plot", plot]
     if two:
@@ -66,6 +66,22 @@ def aiordma_perf(host: str, two: bool, args: argparse.Namespace, plot: str | Non
         small, big = line["results"]
         out[label] = {"rtt_us": small["lat_p50_us"], "bulk_mb_s": big["bw_mb_s"], "p99_us": small["lat_p99_us"]}
     return out
+
+
+def full_perf(host: str, plot: str, timeout: float = 2400) -> str:
+    """``aiordma perf`` over its whole size range, two processes: the table, and the PNG at ``plot``."""
+    server = subprocess.Popen([*CLI, "perf", "server", "--host", host, "--port", "0"], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split("ports ")[1].split("-")[0]
+        proc = subprocess.run([*CLI, "perf", "client", host, "--port", port, "--iterations", "200", "--lat-bytes",
+                               "16M", "--bw-bytes", "16M", "--plot", plot, "--no-progress"],
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        return proc.stdout + proc.stderr
+    finally:
+        server.kill()
+        server.wait()
 
 
 # -- plain asyncio streams ---------------------------------------------------------------------
@@ -224,6 +240,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, nargs="*", choices=[1, 2], default=[2, 1])
     parser.add_argument("--plot", default=None, help="also write aiordma perf's PNG (two processes)")
     parser.add_argument("--json", default=None, help="write every figure as JSON")
+    parser.add_argument("--full-plot", default=None, help="also run aiordma perf over 64 B..16 MiB (two processes) "
+                        "and write its PNG here")  # fmt: skip
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
     from aiordma.testing import rdma_address
@@ -250,6 +268,9 @@ def main() -> int:
         lines += report(rows, "client and server in two processes" if two else "client and server in one process")
         print("\n".join(lines[-12:]), flush=True)
     print("\n".join(lines))
+    if args.full_plot:
+        print("== aiordma perf, 64 B .. 16 MiB, two processes")
+        print(full_perf(host, args.full_plot), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))
     return 0
