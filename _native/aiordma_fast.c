@@ -62,12 +62,14 @@ static inline uint32_t take_returns(struct aiordma_chan *c, uint32_t credit_kind
 static inline uint64_t send_wr_id(const struct aiordma_chan *c, uint32_t kind, uint64_t seq)
 {
     return AIORDMA_SQ_BIT | ((uint64_t)kind << AIORDMA_KIND_SHIFT)
-           | ((uint64_t)(c->cid & AIORDMA_CID_MASK) << AIORDMA_CID_SHIFT) | (seq & AIORDMA_SEQ_MASK);
+           | ((uint64_t)(c->cid & AIORDMA_CID_MASK) << AIORDMA_CID_SHIFT)
+           | ((uint64_t)(c->gen & AIORDMA_GEN_MASK) << AIORDMA_GEN_SHIFT) | (seq & AIORDMA_SEQ_MASK);
 }
 
 static inline uint64_t recv_wr_id(const struct aiordma_chan *c, uint32_t slot)
 {
-    return ((uint64_t)(c->cid & AIORDMA_CID_MASK) << AIORDMA_CID_SHIFT) | slot;
+    return ((uint64_t)(c->cid & AIORDMA_CID_MASK) << AIORDMA_CID_SHIFT)
+           | ((uint64_t)(c->gen & AIORDMA_GEN_MASK) << AIORDMA_GEN_SHIFT) | slot;
 }
 
 /* Post one send WR (or record it).  Returns 0 or -errno. */
@@ -212,8 +214,10 @@ int aiordma_chan_credit(struct aiordma_chan *c)
         return 0;
     if (!(c->to_return >= c->threshold || c->peer_available == 0))
         return 0;
-    if (c->sq_used >= c->sq_depth)
+    if (c->sq_used >= c->sq_depth) {
+        c->blocked = AIORDMA_BLOCK_SQ; /* due, but only a send completion makes room */
         return 0;
+    }
     uint64_t seq = c->seq + 1;
     c->run++;
     int signal = c->run >= c->every || c->sq_used + 1 >= c->sq_depth;
@@ -477,7 +481,8 @@ int aiordma_chan_process(struct aiordma_chan *const *chans, uint32_t nchans,
         const struct aiordma_wc *w = &wcs[i];
         uint32_t cid = (uint32_t)(w->wr_id >> AIORDMA_CID_SHIFT) & AIORDMA_CID_MASK;
         struct aiordma_chan *c = cid < nchans ? chans[cid] : NULL;
-        if (c == NULL || c->cid != cid) {
+        if (c == NULL || c->cid != cid
+            || ((w->wr_id >> AIORDMA_GEN_SHIFT) & AIORDMA_GEN_MASK) != (c->gen & AIORDMA_GEN_MASK)) {
             /* not a chan's (a checked-mode connection's, or a destroyed one's): the caller routes it */
             if (*n_others < others_cap)
                 others[*n_others] = *w;

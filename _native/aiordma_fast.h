@@ -35,8 +35,11 @@
  * code that way, on the host.
  *
  * wr_id layout (64 bits): bit 63 set for sends; bits 40..55 the chan's cid
- * (its index in the poller's table); sends: kind in bits 56..62, sequence
- * number (low 40 bits) in bits 0..39; receives: the slot index in bits 0..31.
+ * (its index in the poller's table); bits 32..39 the chan's generation (a
+ * cid is reused only with a new generation: a late completion of a destroyed
+ * QP -- a flushed unsignaled send -- never reaches its successor); sends: kind
+ * in bits 56..62, sequence number (low 32 bits) in bits 0..31; receives: the
+ * slot index in bits 0..31.
  *
  * Immediate data (host order): bit 31 credit-only SEND, bits 24..30 control
  * credits returned, bits 0..23 data credits returned.
@@ -55,7 +58,9 @@
 #define AIORDMA_CID_SHIFT 40
 #define AIORDMA_CID_MASK 0xFFFFu
 #define AIORDMA_KIND_SHIFT 56
-#define AIORDMA_SEQ_MASK ((1ULL << 40) - 1)
+#define AIORDMA_SEQ_MASK 0xFFFFFFFFULL
+#define AIORDMA_GEN_SHIFT 32
+#define AIORDMA_GEN_MASK 0xFFu
 #define AIORDMA_SQ_BIT (1ULL << 63)
 
 enum {
@@ -162,6 +167,7 @@ struct aiordma_chan {
     uint64_t *rec_recv;             /* wr_ids (the slot's address and length follow from them) */
     uint32_t rec_recv_n, rec_recv_cap;
     uint8_t *rec_inline;            /* rec_send_cap * max_inline bytes */
+    uint32_t gen;                   /* generation of the cid (bits 32..39 of every wr_id) */
 };
 
 /* One run of delivered bytes: deliv[offset:offset+length] belongs to chans[cid]

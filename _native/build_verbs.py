@@ -238,6 +238,7 @@ struct aiordma_chan {
     struct aiordma_send_wr *rec_send; uint32_t rec_send_n, rec_send_cap;
     uint64_t *rec_recv; uint32_t rec_recv_n, rec_recv_cap;
     uint8_t *rec_inline;
+    uint32_t gen;
 };
 struct aiordma_delivery { uint32_t cid; uint32_t early; uint64_t offset; uint64_t length; };
 struct aiordma_wake_result {

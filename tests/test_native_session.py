@@ -324,3 +324,28 @@ def test_close_signals_the_last_send_and_a_fence_follows_an_unsignaled_one() -> 
     wire.poll(a, len(a.cq))
     assert a.session.close_sent
     assert a.session.state is LinkState.DRAINING
+
+
+def test_a_completion_of_an_earlier_generation_of_the_cid_is_not_taken() -> None:
+    """A cid is reused with a new generation: a late completion of the QP that had it before (a
+    flushed unsignaled send, after its drain) goes to the caller as foreign, never into the chan."""
+    ffi, lib = NATIVE  # type: ignore[misc]
+    side = Side("A", 1, 4, 2, 256, 2, 0)
+    ring = _ring(side, 6, 256)
+    side.session = NativeSession(window=4, control=2, buffer_size=256, recv=ring, rq_depth=6, qp=Recorder(side),
+                                 cid=1, gen=2)  # fmt: skip
+    side.session.initial_receives()
+    assert all((wr_id >> 32) & 0xFF == 2 for wr_id, _a, _l in side.rq)
+    chans = ffi.new("struct aiordma_chan *[]", 4)
+    chans[1] = side.session.c
+    wcs = ffi.new("struct aiordma_wc[]", 1)
+    stale = (1 << 63) | (1 << 40) | (1 << 32) | 5  # cid 1, generation 1, a send
+    wcs[0].wr_id, wcs[0].status = stale, int(lib.IBV_WC_WR_FLUSH_ERR)
+    out = ffi.new("struct aiordma_delivery[]", 4)
+    others = ffi.new("struct aiordma_wc[]", 4)
+    used, n_others = ffi.new("uint64_t *"), ffi.new("int *")
+    deliv = bytearray(4096)
+    n = lib.aiordma_chan_process(chans, 4, wcs, 1, out, 4, 0, 1, ffi.from_buffer(deliv), len(deliv), used, others, 4,
+                                 n_others)  # fmt: skip
+    assert n == 0 and n_others[0] == 1 and others[0].wr_id == stale
+    assert side.session.c.error == 0 and side.session.rq_posted == 6

@@ -11,6 +11,7 @@ device is left behind.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import os
@@ -719,3 +720,40 @@ async def test_connections_with_separate_backends_share_the_device(anyio_backend
                     assert len(open_devices()) == 1
                     assert env.live()["contexts"] == 1
                 tg.cancel_scope.cancel()
+
+
+async def test_asyncio_writes_without_drain_all_arrive_when_the_send_ring_is_small(anyio_backend: Any, env: Env) -> None:
+    """asyncio's write() without drain() over a 2-slot send ring with many credits: the backlog is
+    moved by our own send completions while no task waits for them, and every byte arrives."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("the asyncio API")
+    import aiordma.asyncio as aio
+
+    small = RdmaConfig(window=2, buffer_size=4096)
+    big = RdmaConfig(window=64, buffer_size=4096)
+    got = bytearray()
+    done = asyncio.Event()
+    total = 2 << 20
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while len(got) < total:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                break
+            got.extend(chunk)
+        done.set()
+        writer.close()
+
+    server = await aio.start_server(handle, env.host, 0, transport="rdma", rdma_backend=env.backend(config=big))
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await aio.open_connection(env.host, port, transport="rdma",
+                                                   rdma_backend=env.backend(config=small))  # fmt: skip
+        data = os.urandom(total)
+        for i in range(0, total, 1000):
+            writer.write(data[i : i + 1000])  # no drain
+        with anyio.fail_after(60 if env.kind != "rxe" else 300):
+            await done.wait()
+        assert bytes(got) == data
+        writer.close()
+        await writer.wait_closed()

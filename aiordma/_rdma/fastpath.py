@@ -121,7 +121,7 @@ class NativeSession:
     native = True
 
     def __init__(self, *, window: int, control: int, buffer_size: int, recv: Ring, rq_depth: int, qp: Any,
-                 cid: int) -> None:  # fmt: skip
+                 cid: int, gen: int = 0) -> None:  # fmt: skip
         buffers = window + control
         if recv.count != buffers or recv.slot_size < buffer_size:
             raise ValueError("the receive ring must have window + control slots of buffer_size bytes")
@@ -142,6 +142,7 @@ class NativeSession:
         else:
             c.qp = handle
         c.cid = cid
+        c.gen = gen & 0xFF
         c.state = CS_SETUP
         c.raddr, c.rlkey, c.rslot, c.rcount, c.buffer_size = recv.addr, recv.lkey, recv.slot_size, buffers, buffer_size
         c.rposted = self._array("uint8_t[]", buffers)

@@ -53,7 +53,7 @@ from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
 from .device import Device, acquire_device, open_devices
-from .fastpath import EVT_DATA, EVT_ROOM, NativeSession
+from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
@@ -120,6 +120,7 @@ class RdmaLink(Link):
         self._mode = "event"
         self._local_peer = False
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
+        self._sq_wanted = False  # armed for send completions because posting waits for room (native)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -178,10 +179,10 @@ class RdmaLink(Link):
         self._native = cfg.use_native(poller.native is not None)
         self._mode = cfg.poll_mode
         if self._native:
-            self.cid = poller.add_native(self)
+            self.cid, gen = poller.add_native(self)
             self.session = NativeSession(
                 window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
-                rq_depth=int(caps.max_recv_wr), qp=qp, cid=self.cid,
+                rq_depth=int(caps.max_recv_wr), qp=qp, cid=self.cid, gen=gen,
             )  # fmt: skip
             poller.ensure_buffer(cfg.buffer_size)
             poller.set_chan(self.cid, self.session.c)
@@ -383,11 +384,36 @@ class RdmaLink(Link):
                     session.fail(core.error)
             elif early:
                 self._early.append(bytes(view))
-        if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence)):
+        blocked = c.blocked == BLOCK_SQ
+        if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence or blocked)):
             session.on_events(events)
+            blocked = c.blocked == BLOCK_SQ
+        if blocked or self._sq_wanted:
+            self._track_sq()
         if session.error is not None and not had_error:
             self._broke()
         self._parking.unpark_all()
+
+    def _track_sq(self) -> None:
+        """Native path: while posting waits for room that only a send completion makes (the send
+        queue or ring is full, with a backlog or a credit owed), the CQ is armed for every
+        completion -- also when no task waits (asyncio's ``write()`` without ``drain()``, a credit
+        SEND due).  Called after every wake and send that may change it."""
+        session = self.session
+        c = session.c
+        need = (
+            session.error is None
+            and c.blocked == BLOCK_SQ
+            and bool(session._backlog or c.to_return > 0 or session._need_fence)
+        )
+        if need == self._sq_wanted:
+            return
+        self._sq_wanted = need
+        if need:
+            if not self._want_sends():  # (it looks once: the room may be there already)
+                self._sq_wanted = False
+        else:
+            self._unwant_sends(True)
 
     def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
         session = self.session
@@ -489,6 +515,8 @@ class RdmaLink(Link):
             work = session.flush()
             if work:
                 self._post_send(work)
+            if self._native:
+                self._track_sq()
         return self._parking.park()  # type: ignore[no-any-return]
 
     def consumed(self) -> None:
@@ -497,6 +525,7 @@ class RdmaLink(Link):
             c = session.c
             if (c.unread >= session._quarter or c.withheld) and session.consumed(self.core.buffered):
                 session.flush()
+                self._track_sq()
             self.needs_consumed = c.withheld != 0
             return
         if session is not None and session.withheld and session.consumed(self.core.buffered):
@@ -523,6 +552,7 @@ class RdmaLink(Link):
             end = session.send_now(chunks)
             if session.error is not None and not self._closing:
                 self._broke()
+            self._track_sq()
             return session, end
         end = session.queue(chunks)
         work = session.flush()
@@ -556,6 +586,7 @@ class RdmaLink(Link):
                 end = session.after_partial(data, n, taken)
             else:
                 end = session.send_now(chunks)
+            self._track_sq()
             if session.error is None:
                 if session.c.posted_bytes >= end:
                     return
@@ -717,6 +748,9 @@ class RdmaLink(Link):
             self._routed = False
         if device is not None:
             poller = device.poller
+            if self._sq_wanted:
+                self._sq_wanted = False
+                poller.want_sends(-1)
             if self._counted:
                 self._counted = False
                 poller.add_mode(self._mode, -1)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -65,7 +66,8 @@ Entry = tuple[int, int, int, int, int, int]
 POLL_MODES = ("event", "adaptive", "busy")
 
 _MAX_CHANS = 1 << 16  # the cid field of a wr_id has 16 bits; cid 0 is never used
-_BATCH = 32  # completions per native wake pass (the delivery buffer holds this many payloads)
+_BATCH = 32  # completions per native wake pass, at most (the delivery buffer holds this many payloads)
+_DELIVERY_BYTES = 32 << 20  # ... and at most this many bytes: fewer completions per pass for large buffers
 
 
 class CompletionReceiver(Protocol):
@@ -109,13 +111,18 @@ class Poller:
             self._wake: Callable[..., int] = cq.native_waker(channel)
             self.chans = ffi.new("struct aiordma_chan *[]", _MAX_CHANS)
             self.links: dict[int, Any] = {}
-            self._free: list[int] = []
+            # freed cids are reused oldest first, and only after every fresh one was handed
+            # out, each time with the next generation (see _native/aiordma_fast.h)
+            self._free: deque[int] = deque()
+            self._gens = bytearray(_MAX_CHANS)
             self._next_cid = 1
             self._out = ffi.new("struct aiordma_delivery[]", _BATCH)
             self._others = ffi.new("struct aiordma_wc[]", _BATCH)
             self._res = ffi.new("struct aiordma_wake_result *")
             self._stamp = 0
             self._deliv_cap = 0
+            self._batch = _BATCH
+            self._largest = 0
             self._deliv: bytearray = bytearray()
             self._deliv_c: Any = None
             self._deliv_mv = memoryview(self._deliv)
@@ -124,8 +131,11 @@ class Poller:
     # -- connections ------------------------------------------------------------------
 
     def ensure_buffer(self, buffer_size: int) -> None:
-        """The delivery buffer holds a full pass of ``buffer_size`` payloads (grown between wakes)."""
-        need = _BATCH * buffer_size
+        """The delivery buffer holds a full pass of payloads of the largest buffer size (grown between
+        wakes); a pass polls fewer completions when the buffers are large (at most 32 MiB held)."""
+        self._largest = largest = max(self._largest, buffer_size)
+        self._batch = max(1, min(_BATCH, _DELIVERY_BYTES // largest))
+        need = self._batch * largest
         if need > self._deliv_cap:
             self._deliv_mv.release()
             self._deliv = bytearray(need)
@@ -133,17 +143,18 @@ class Poller:
             self._deliv_mv = memoryview(self._deliv)
             self._deliv_cap = need
 
-    def add_native(self, link: Any) -> int:
-        """A cid for a native-path connection (its chan is set with :meth:`set_chan`)."""
-        if self._free:
-            cid = self._free.pop()
-        elif self._next_cid < _MAX_CHANS:
+    def add_native(self, link: Any) -> tuple[int, int]:
+        """A cid and its generation for a native-path connection (its chan is set with :meth:`set_chan`)."""
+        if self._next_cid < _MAX_CHANS:
             cid = self._next_cid
             self._next_cid += 1
+        elif self._free:
+            cid = self._free.popleft()
         else:
             raise OSError(24, f"more than {_MAX_CHANS - 1} RDMA connections on one device and event loop")
+        gen = self._gens[cid] = (self._gens[cid] + 1) & 0xFF
         self.links[cid] = link
-        return cid
+        return cid, gen
 
     def set_chan(self, cid: int, chan: Any) -> None:
         self.chans[cid] = chan
@@ -252,7 +263,6 @@ class Poller:
         window = 0.0 if mode == "event" else self.spin_window if mode == "adaptive" else self.busy_window
         # a spinning mode polls without arming; whether to go on is decided after the pass
         spinning = window > 0.0
-        arm = 0 if spinning else 2 if (self.want_any or self.checked) else 1
         spin_ns = int(self.spin_budget * 1e9) if spinning and not read_event else 0
         self._busy = True
         res, out, links = self._res, self._out, self.links
@@ -260,10 +270,18 @@ class Poller:
         activity = False
         try:
             while True:
-                self._stamp = stamp = (self._stamp + 1) & 0xFFFFFFFF
+                stamp = self._stamp + 1
+                if stamp > 0xFFFFFFFF:  # wrapped: no chan may still hold a stamp of the last round
+                    stamp = 1
+                    for cid in links:
+                        chans[cid].stamp = 0
+                self._stamp = stamp
                 self.passes += 1
+                # (decided per round: a want_sends() made while we dispatch re-arms for every completion)
+                arm = 0 if spinning else 2 if (self.want_any or self.checked) else 1
                 # arm unless armed already (reading the channel event disarms)
-                n = wake(1 if read_event else 0, arm if read_event or not self.armed else 0, spin_ns, _BATCH,
+                batch = self._batch
+                n = wake(1 if read_event else 0, arm if read_event or not self.armed else 0, spin_ns, batch,
                          chans, _MAX_CHANS, others, _BATCH, out, _BATCH, stamp, self._deliv_c, self._deliv_cap,
                          res)  # fmt: skip
                 read_event = False
