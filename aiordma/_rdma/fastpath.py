@@ -32,7 +32,7 @@ from typing import Any
 from .._errors import RDMAError, RemoteProtocolError
 from .constants import wc_status_name
 from .params import RdmaParams
-from .session import Ring, SendWork
+from .session import Ring, SendWork, detach_views, queue_views
 from .states import LinkInput, LinkState, next_state
 
 __all__ = ["NativeSession", "native_lib", "CS_OPEN", "EVT_DATA", "EVT_ROOM", "EVT_ERROR", "EVT_CLOSE_SENT"]
@@ -369,35 +369,14 @@ class NativeSession:
         return self.enqueued
 
     def queue(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
-        backlog = self._backlog
-        for chunk in chunks:
-            view = chunk if type(chunk) is memoryview else memoryview(chunk)
-            if view.format != "B" or view.ndim != 1:
-                view = view.cast("B")
-            n = len(view)
-            if n:
-                backlog.append(view)
-                self.enqueued += n
+        """Append chunks to the backlog; returns the byte count that ends them."""
+        self.enqueued += queue_views(self._backlog, chunks)
         return self.enqueued
 
     def detach(self, end: int) -> None:
-        """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers."""
-        remaining = end - self.posted_bytes
-        if remaining <= 0:
-            return
-        backlog = self._backlog
-        tail = self.enqueued - end
-        index = len(backlog) - 1
-        while remaining > 0 and index >= 0:
-            view = backlog[index]
-            if tail >= len(view):
-                tail -= len(view)
-            else:
-                if not view.readonly or not isinstance(view.obj, bytes):
-                    backlog[index] = memoryview(bytes(view))
-                remaining -= len(view) - tail
-                tail = 0
-            index -= 1
+        """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers
+        (see :func:`~aiordma._rdma.session.detach_views`)."""
+        detach_views(self._backlog, self.enqueued, self.posted_bytes, end)
 
     def flush(self) -> list[SendWork]:
         """Post what the backlog and the credits allow (C posts); nothing is left for the link."""

@@ -94,6 +94,44 @@ def wr_kind(wr_id: int) -> int:
     return wr_id >> KIND_SHIFT & _KIND_MASK
 
 
+def queue_views(backlog: deque[memoryview], chunks: Sequence[bytes | bytearray | memoryview]) -> int:
+    """Append chunks to a backlog as flat byte views (empty ones dropped); returns the bytes added."""
+    added = 0
+    for chunk in chunks:
+        view = chunk if type(chunk) is memoryview else memoryview(chunk)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        n = len(view)
+        if n:
+            backlog.append(view)
+            added += n
+    return added
+
+
+def detach_views(backlog: deque[memoryview], enqueued: int, posted: int, end: int) -> None:
+    """Copy the unposted part of the bytes queued up to ``end`` out of the callers' buffers.
+
+    For a send that returns before its bytes were posted (asyncio's ``write``, a cancelled
+    ``send``): its views must not outlive the call.  What it queued is still sent, whole and in
+    order.  ``enqueued``/``posted``: the byte marks of everything queued and posted so far.
+    """
+    remaining = end - posted
+    if remaining <= 0:
+        return
+    tail = enqueued - end  # bytes queued after ``end`` (by others)
+    index = len(backlog) - 1
+    while remaining > 0 and index >= 0:
+        view = backlog[index]
+        if tail >= len(view):
+            tail -= len(view)
+        else:
+            if not view.readonly or not isinstance(view.obj, bytes):
+                backlog[index] = memoryview(bytes(view))
+            remaining -= len(view) - tail
+            tail = 0
+        index -= 1
+
+
 @dataclass(frozen=True)
 class Ring:
     """A registered region cut into ``count`` slots of ``slot_size`` bytes."""
@@ -243,40 +281,13 @@ class RdmaSession:
 
     def queue(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
         """Append chunks to the backlog; returns the byte count that ends them."""
-        backlog = self._backlog
-        for chunk in chunks:
-            view = chunk if type(chunk) is memoryview else memoryview(chunk)
-            if view.format != "B" or view.ndim != 1:
-                view = view.cast("B")
-            n = len(view)
-            if n:
-                backlog.append(view)
-                self.enqueued += n
+        self.enqueued += queue_views(self._backlog, chunks)
         return self.enqueued
 
     def detach(self, end: int) -> None:
-        """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers.
-
-        For a send that returns before its bytes were posted (asyncio's
-        ``write``, a cancelled ``send``): its views must not outlive the call.
-        What it queued is still sent, whole and in order.
-        """
-        remaining = end - self.posted_bytes
-        if remaining <= 0:
-            return
-        backlog = self._backlog
-        tail = self.enqueued - end  # bytes queued after ``end`` (by others)
-        index = len(backlog) - 1
-        while remaining > 0 and index >= 0:
-            view = backlog[index]
-            if tail >= len(view):
-                tail -= len(view)
-            else:
-                if not view.readonly or not isinstance(view.obj, bytes):
-                    backlog[index] = memoryview(bytes(view))
-                remaining -= len(view) - tail
-                tail = 0
-            index -= 1
+        """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers
+        (see :func:`detach_views`)."""
+        detach_views(self._backlog, self.enqueued, self.posted_bytes, end)
 
     @property
     def backlog(self) -> bool:
