@@ -114,6 +114,25 @@ static int post_one(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uin
     return rc ? -(rc > 0 ? rc : EIO) : 0;
 }
 
+/* Post a SEND_WITH_IMM whose immediate data returns the credits owed; a refused post gives them
+ * back and fails the chan (a refused post is fatal; nothing was posted).  Returns 0 or -errno. */
+static int post_with_returns(struct aiordma_chan *c, uint32_t kind, uint64_t seq, uint64_t addr,
+                             uint32_t length, uint32_t lkey, uint32_t flags)
+{
+    int32_t save_tr = c->to_return, save_ctr = c->control_to_return;
+    int32_t save_pa = c->peer_available, save_pca = c->peer_control_available;
+    uint32_t imm = take_returns(c, kind == AIORDMA_KIND_CREDIT);
+    int rc = post_one(c, send_wr_id(c, kind, seq), IBV_WR_SEND_WITH_IMM, addr, length, lkey, imm, flags);
+    if (rc) {
+        c->to_return = save_tr;
+        c->control_to_return = save_ctr;
+        c->peer_available = save_pa;
+        c->peer_control_available = save_pca;
+        fail(c, AIORDMA_E_POST, (uint32_t)-rc, 0);
+    }
+    return rc;
+}
+
 static inline void push_outstanding(struct aiordma_chan *c, uint64_t seq, int signaled, int32_t slot)
 {
     uint32_t i = (c->o_head + c->o_len) % c->sq_depth;
@@ -173,19 +192,10 @@ int64_t aiordma_chan_send(struct aiordma_chan *c, const char *a, uint64_t na,
         int signal = c->run >= c->every || c->sq_used + 1 >= c->sq_depth
                      || (!inl && c->slots_used + 1 >= c->scount) || (last && done);
         uint32_t flags = IBV_SEND_SOLICITED | (signal ? IBV_SEND_SIGNALED : 0) | (inl ? IBV_SEND_INLINE : 0);
-        /* credits: taken only once the post succeeded (a refused post is fatal anyway) */
-        int32_t save_tr = c->to_return, save_ctr = c->control_to_return;
-        int32_t save_pa = c->peer_available, save_pca = c->peer_control_available;
-        uint32_t imm = take_returns(c, 0);
-        int rc = post_one(c, send_wr_id(c, AIORDMA_KIND_DATA, seq), IBV_WR_SEND_WITH_IMM,
-                          (uint64_t)(uintptr_t)dst, len, inl ? 0 : c->slkey, imm, flags);
+        int rc = post_with_returns(c, AIORDMA_KIND_DATA, seq, (uint64_t)(uintptr_t)dst, len,
+                                   inl ? 0 : c->slkey, flags);
         if (rc) {
-            c->to_return = save_tr;
-            c->control_to_return = save_ctr;
-            c->peer_available = save_pa;
-            c->peer_control_available = save_pca;
             c->run--;
-            fail(c, AIORDMA_E_POST, (uint32_t)-rc, 0);
             return rc;
         }
         c->seq = seq;
@@ -221,18 +231,10 @@ int aiordma_chan_credit(struct aiordma_chan *c)
     uint64_t seq = c->seq + 1;
     c->run++;
     int signal = c->run >= c->every || c->sq_used + 1 >= c->sq_depth;
-    int32_t save_tr = c->to_return, save_ctr = c->control_to_return;
-    int32_t save_pa = c->peer_available, save_pca = c->peer_control_available;
-    uint32_t imm = take_returns(c, 1);
-    int rc = post_one(c, send_wr_id(c, AIORDMA_KIND_CREDIT, seq), IBV_WR_SEND_WITH_IMM, 0, 0, 0, imm,
-                      IBV_SEND_SOLICITED | (signal ? IBV_SEND_SIGNALED : 0));
+    int rc = post_with_returns(c, AIORDMA_KIND_CREDIT, seq, 0, 0, 0,
+                               IBV_SEND_SOLICITED | (signal ? IBV_SEND_SIGNALED : 0));
     if (rc) {
-        c->to_return = save_tr;
-        c->control_to_return = save_ctr;
-        c->peer_available = save_pa;
-        c->peer_control_available = save_pca;
         c->run--;
-        fail(c, AIORDMA_E_POST, (uint32_t)-rc, 0);
         return rc;
     }
     c->seq = seq;
@@ -559,19 +561,6 @@ int aiordma_chan_finish(struct aiordma_chan *const *chans, uint32_t nchans,
     return posted;
 }
 
-static void flatten_wc(const struct ibv_wc *s, struct aiordma_wc *d)
-{
-    d->wr_id = s->wr_id;
-    d->status = s->status;
-    d->opcode = s->opcode;
-    d->vendor_err = s->vendor_err;
-    d->byte_len = s->byte_len;
-    d->imm_data = (s->wc_flags & IBV_WC_WITH_IMM) ? ntohl(s->imm_data) : 0;
-    d->qp_num = s->qp_num;
-    d->src_qp = s->src_qp;
-    d->wc_flags = s->wc_flags;
-}
-
 int aiordma_wake(struct ibv_comp_channel *channel, struct ibv_cq *cq, int read_event,
                  int arm, int64_t spin_ns, int max_polled,
                  struct aiordma_chan *const *chans, uint32_t nchans,
@@ -612,7 +601,7 @@ int aiordma_wake(struct ibv_comp_channel *channel, struct ibv_cq *cq, int read_e
         }
         if (got > 0) {
             for (int i = 0; i < got; i++)
-                flatten_wc(&raw[i], &wcs[i]);
+                aiordma_flatten_wc(&raw[i], &wcs[i]);
             res->polled += got;
             n_out = aiordma_chan_process(chans, nchans, wcs, got, out, out_cap, n_out, stamp,
                                          deliv, deliv_cap, &res->deliv_used, others, others_cap, &n_others);

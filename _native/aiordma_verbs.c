@@ -246,19 +246,6 @@ int aiordma_req_notify(struct ibv_cq *cq, int solicited_only)
     return rc > 0 ? -rc : (rc < 0 ? -EIO : 0);
 }
 
-static inline void flatten(const struct ibv_wc *w, struct aiordma_wc *o)
-{
-    o->wr_id = w->wr_id;
-    o->status = w->status;
-    o->opcode = w->opcode;
-    o->vendor_err = w->vendor_err;
-    o->byte_len = w->byte_len;
-    o->imm_data = (w->wc_flags & IBV_WC_WITH_IMM) ? ntohl(w->imm_data) : 0;
-    o->qp_num = w->qp_num;
-    o->src_qp = w->src_qp;
-    o->wc_flags = w->wc_flags;
-}
-
 /* Poll up to n completions into out[]; returns how many (0 if the CQ is
  * empty) or -EIO if the provider reports a polling failure. */
 int aiordma_poll_batch(struct ibv_cq *cq, int n, struct aiordma_wc *out)
@@ -272,7 +259,7 @@ int aiordma_poll_batch(struct ibv_cq *cq, int n, struct aiordma_wc *out)
         if (got < 0)
             return total ? total : -EIO;
         for (int i = 0; i < got; i++)
-            flatten(&wc[i], &out[total + i]);
+            aiordma_flatten_wc(&wc[i], &out[total + i]);
         total += got;
         if (got < want)
             break;      /* CQ is empty now */

@@ -25,6 +25,7 @@
 #define AIORDMA_VERBS_H
 
 #include <stdint.h>
+#include <arpa/inet.h>
 #include <infiniband/verbs.h>
 
 /* One work completion, flattened (no unions).  imm_data is host order and only
@@ -40,6 +41,20 @@ struct aiordma_wc {
     uint32_t src_qp;
     uint32_t wc_flags;    /* IBV_WC_WITH_IMM, ... */
 };
+
+/* The flat copy of a polled completion (imm_data to host order; both C files use it). */
+static inline void aiordma_flatten_wc(const struct ibv_wc *w, struct aiordma_wc *o)
+{
+    o->wr_id = w->wr_id;
+    o->status = w->status;
+    o->opcode = w->opcode;
+    o->vendor_err = w->vendor_err;
+    o->byte_len = w->byte_len;
+    o->imm_data = (w->wc_flags & IBV_WC_WITH_IMM) ? ntohl(w->imm_data) : 0;
+    o->qp_num = w->qp_num;
+    o->src_qp = w->src_qp;
+    o->wc_flags = w->wc_flags;
+}
 
 /* One send work request with a single scatter/gather entry. */
 struct aiordma_send_wr {
