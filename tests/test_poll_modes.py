@@ -89,6 +89,45 @@ def test_spinning_modes_poll_without_arming_while_active_then_arm_and_sleep(mode
     assert poller.armed and waker.calls[-1][1] == 1  # armed (arm-then-poll) before sleeping
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytestmark_native
+def test_adaptive_stops_spinning_while_completions_come_further_apart_than_a_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiordma._rdma.poller as poller_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(poller_module, "_now", clock)
+    poller, waker = _poller([1] * 40, "adaptive", 100e-6)
+    # a slow peer: a completion every 2 ms (each wake reads the event and finds one)
+    spun = []
+    for _ in range(20):
+        clock.t += 2e-3
+        spun.append(poller._native_pass())
+        if spun[-1]:  # it spun: the spin finds nothing and the window closes
+            waker.polled.insert(0, 0)
+            clock.t += 200e-6
+            assert poller.spin() is False
+    assert spun[-5:] == [False] * 5, spun  # it learned: event mode, armed solicited-only after each wake
+    assert waker.calls[-1] == (1, 1, 0) and poller.armed
+    assert poller.gap > poller.spin_window
+    # the peer speeds up: completions every 10 us; the average comes down and spinning resumes
+    for _ in range(40):
+        clock.t += 10e-6
+        if poller._native_pass():
+            break
+    else:
+        raise AssertionError(f"adaptive never spun again (gap {poller.gap})")
+    assert waker.calls[-1][1] == 0 and not poller.armed  # spinning: not armed
+
+
 @pytestmark_native
 def test_a_waiting_sender_gets_the_cq_armed_for_every_completion() -> None:
     poller, waker = _poller([0, 0, 0], "event", 1.0)

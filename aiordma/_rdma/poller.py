@@ -36,7 +36,13 @@ the fd after every wake.  ``adaptive`` keeps polling after activity for
 ``spin_budget``, then the callback returns to the event loop and asks to be
 called again at once (``call_soon`` / a trio checkpoint) -- the loop runs
 between two spins; once the window passed without a completion it arms and
-sleeps.  ``busy`` does the same with ``busy_window`` (a second by default):
+sleeps.  It spins only while spinning pays: the poller keeps a moving
+average (1/8 weight) of the time between two passes that found completions,
+and while that average is longer than ``spin_window`` (the peer answers
+slower than a spin lasts: a slow network, a slow peer, a sparse stream) it
+behaves like ``event`` and only measures; once the gaps shorten it spins
+again.  A spin that cannot catch the next completion only burns the CPU the
+peer or the kernel (rxe does its work in softirqs) would have used.  ``busy`` does the same with ``busy_window`` (a second by default):
 it costs a core while traffic flows and sleeps when a connection idles.
 The poller uses the most eager mode among its connections, and never spins
 while a connection's peer is on this same poller (same event loop and
@@ -68,6 +74,8 @@ POLL_MODES = ("event", "adaptive", "busy")
 _MAX_CHANS = 1 << 16  # the cid field of a wr_id has 16 bits; cid 0 is never used
 _BATCH = 32  # completions per native wake pass, at most (the delivery buffer holds this many payloads)
 _DELIVERY_BYTES = 32 << 20  # ... and at most this many bytes: fewer completions per pass for large buffers
+_GAP_WEIGHT = 0.125  # adaptive: the weight of the newest gap in the moving average
+_now = time.monotonic  # (a module global so that tests can drive the clock)
 
 
 class CompletionReceiver(Protocol):
@@ -103,6 +111,8 @@ class Poller:
         self.spin_window = 100e-6
         self.busy_window = 1.0
         self._last_activity = 0.0
+        #: adaptive: moving average of the time between two passes that found completions
+        self.gap = 0.0
         self.native = native
         if native is not None:
             ffi, lib = native
@@ -260,7 +270,11 @@ class Poller:
             self._again = True
             return False
         mode = self.mode if spin else "event"
-        window = 0.0 if mode == "event" else self.spin_window if mode == "adaptive" else self.busy_window
+        if mode == "adaptive":
+            # spin only while completions come closer together than a spin window lasts
+            window = self.spin_window if self.gap <= self.spin_window else 0.0
+        else:
+            window = 0.0 if mode == "event" else self.busy_window
         # a spinning mode polls without arming; whether to go on is decided after the pass
         spinning = window > 0.0
         spin_ns = int(self.spin_budget * 1e9) if spinning and not read_event else 0
@@ -317,11 +331,22 @@ class Poller:
             return False
         finally:
             self._busy = False
+        if mode == "adaptive":
+            now = _now()
+            if activity:
+                # a gap longer than four windows counts as four: an idle spell must not
+                # keep a connection that turned busy from spinning for long
+                gap = min(now - self._last_activity, 4 * self.spin_window)
+                self.gap += (gap - self.gap) * _GAP_WEIGHT
+                self._last_activity = now
+        elif not spinning:
+            return False
+        else:
+            now = _now()
+            if activity:
+                self._last_activity = now
         if not spinning:
             return False
-        now = time.monotonic()
-        if activity:
-            self._last_activity = now
         if now - self._last_activity < window:
             return True  # go on polling after the loop ran once
         self._native_pass(False, spin=False)  # the window closed: arm (arm-then-poll) and sleep
