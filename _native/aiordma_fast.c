@@ -73,8 +73,19 @@ static inline uint64_t recv_wr_id(const struct aiordma_chan *c, uint32_t slot)
 }
 
 /* Post one send WR (or record it).  Returns 0 or -errno. */
-static int post_one(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uint64_t addr,
-                    uint32_t length, uint32_t lkey, uint32_t imm, uint32_t flags)
+static int post_rdma(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uint64_t addr,
+                     uint32_t length, uint32_t lkey, uint32_t imm, uint32_t flags,
+                     uint64_t raddr, uint32_t rkey);
+
+static inline int post_one(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uint64_t addr,
+                           uint32_t length, uint32_t lkey, uint32_t imm, uint32_t flags)
+{
+    return post_rdma(c, wr_id, opcode, addr, length, lkey, imm, flags, 0, 0);
+}
+
+static int post_rdma(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uint64_t addr,
+                     uint32_t length, uint32_t lkey, uint32_t imm, uint32_t flags,
+                     uint64_t raddr, uint32_t rkey)
 {
     if (c->qp == NULL) {
         if (c->rec_send_n >= c->rec_send_cap)
@@ -88,10 +99,10 @@ static int post_one(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uin
         }
         w->wr_id = wr_id;
         w->addr = addr;
-        w->remote_addr = 0;
+        w->remote_addr = raddr;
         w->length = length;
         w->lkey = lkey;
-        w->rkey = 0;
+        w->rkey = rkey;
         w->imm_data = imm;
         w->opcode = opcode;
         w->send_flags = flags;
@@ -110,6 +121,10 @@ static int post_one(struct aiordma_chan *c, uint64_t wr_id, uint32_t opcode, uin
     }
     if (opcode == IBV_WR_SEND_WITH_IMM)
         wr.imm_data = htonl(imm);
+    if (opcode == IBV_WR_RDMA_READ || opcode == IBV_WR_RDMA_WRITE) {
+        wr.wr.rdma.remote_addr = raddr;
+        wr.wr.rdma.rkey = rkey;
+    }
     int rc = ibv_post_send(c->qp, &wr, &bad);
     return rc ? -(rc > 0 ? rc : EIO) : 0;
 }
@@ -267,6 +282,28 @@ int aiordma_chan_marker(struct aiordma_chan *c, uint32_t kind)
     return 0;
 }
 
+int64_t aiordma_chan_onesided(struct aiordma_chan *c, uint32_t opcode, uint64_t laddr, uint32_t length,
+                              uint32_t lkey, uint64_t raddr, uint32_t rkey)
+{
+    if (!active(c) || !c->started)
+        return -ENOTCONN;
+    if (opcode != IBV_WR_RDMA_READ && opcode != IBV_WR_RDMA_WRITE)
+        return -EINVAL;
+    if (c->sq_used >= c->sq_depth)
+        return -EAGAIN;
+    uint64_t seq = c->seq + 1;
+    int rc = post_rdma(c, send_wr_id(c, AIORDMA_KIND_ONESIDED, seq), opcode, laddr, length, lkey, 0,
+                       IBV_SEND_SIGNALED, raddr, rkey);
+    if (rc) {
+        fail(c, AIORDMA_E_POST, (uint32_t)-rc, 0);
+        return rc;
+    }
+    c->seq = seq;
+    c->run = 0; /* (signaled: it retires every unsignaled send before it) */
+    push_outstanding(c, seq, 1, AIORDMA_SLOT_ONESIDED);
+    return (int64_t)seq;
+}
+
 /* Post the receives queued in c->pend (one linked list, one call). */
 int aiordma_chan_flush_reposts(struct aiordma_chan *c)
 {
@@ -364,6 +401,10 @@ static void retire(struct aiordma_chan *c, const struct aiordma_wc *w)
             c->signaled_out--;
         if (c->o_slot[j] >= 0)
             c->slots_used--;
+        else if (c->o_slot[j] == AIORDMA_SLOT_ONESIDED && c->os_n < c->sq_depth) {
+            c->os_done[c->os_n++] = ((full & AIORDMA_SEQ_MASK) << 8) | (w->status & 0xFF);
+            c->events |= AIORDMA_EVT_ONESIDED;
+        }
         if (c->probe_seq && full == c->probe_seq) {
             c->probe_status = (int32_t)w->status;
             c->events |= AIORDMA_EVT_PROBE;

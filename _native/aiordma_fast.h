@@ -64,8 +64,12 @@
 #define AIORDMA_SQ_BIT (1ULL << 63)
 
 enum {
-    AIORDMA_KIND_DATA = 0, AIORDMA_KIND_CREDIT = 1, AIORDMA_KIND_PROBE = 2, AIORDMA_KIND_FENCE = 3
+    AIORDMA_KIND_DATA = 0, AIORDMA_KIND_CREDIT = 1, AIORDMA_KIND_PROBE = 2, AIORDMA_KIND_FENCE = 3,
+    AIORDMA_KIND_ONESIDED = 4   /* an RDMA READ / WRITE of the application's (aiordma_chan_onesided) */
 };
+
+/* o_slot of a one-sided WR in the outstanding ring (no send slot; its completion is reported) */
+#define AIORDMA_SLOT_ONESIDED (-2)
 
 /* chan.state */
 enum {
@@ -104,7 +108,8 @@ enum {
     AIORDMA_EVT_ERROR = 4,      /* error was set */
     AIORDMA_EVT_PROBE = 8,      /* the probe's completion came back */
     AIORDMA_EVT_CLOSE_SENT = 16,/* the last send before close completed */
-    AIORDMA_EVT_DRAIN = 32      /* a receive or a signaled send came back while draining */
+    AIORDMA_EVT_DRAIN = 32,     /* a receive or a signaled send came back while draining */
+    AIORDMA_EVT_ONESIDED = 64   /* one-sided WRs completed: os_done[0..os_n) */
 };
 
 /* chan.blocked: why the last aiordma_chan_send stopped short */
@@ -168,6 +173,11 @@ struct aiordma_chan {
     uint32_t rec_recv_n, rec_recv_cap;
     uint8_t *rec_inline;            /* rec_send_cap * max_inline bytes */
     uint32_t gen;                   /* generation of the cid (bits 32..39 of every wr_id) */
+
+    /* one-sided WRs completed since Python last read them: (seq << 8) | wc status; sq_depth
+     * entries (each one-sided WR holds a send-queue entry until it completes, so they fit) */
+    uint64_t *os_done;
+    uint32_t os_n;
 };
 
 /* One run of delivered bytes: deliv[offset:offset+length] belongs to chans[cid]
@@ -194,6 +204,12 @@ int64_t aiordma_chan_send(struct aiordma_chan *c, const char *a, uint64_t na,
                           const char *b, uint64_t nb, int last);
 int aiordma_chan_credit(struct aiordma_chan *c);
 int aiordma_chan_marker(struct aiordma_chan *c, uint32_t kind);
+/* Post a signaled RDMA READ (opcode IBV_WR_RDMA_READ) or WRITE (IBV_WR_RDMA_WRITE) of the
+ * application's: length bytes between [laddr, lkey] and [raddr, rkey].  Returns its sequence
+ * number (> 0; its completion appears in os_done), -EAGAIN when the send queue is full, or
+ * -errno (the chan failed).  Bounds and keys are the caller's to check first. */
+int64_t aiordma_chan_onesided(struct aiordma_chan *c, uint32_t opcode, uint64_t laddr, uint32_t length,
+                              uint32_t lkey, uint64_t raddr, uint32_t rkey);
 int aiordma_chan_repost_all(struct aiordma_chan *c);
 int aiordma_chan_flush_reposts(struct aiordma_chan *c);
 

@@ -29,6 +29,24 @@ from ._api import (
     create_listener,
 )
 from ._attributes import TransportAttribute
+from ._memory import (
+    BufferBusyError,
+    MemoryStats,
+    RegisteredBuffer,
+    RegisteredMemory,
+    memory_stats,
+    register,
+    set_pinned_limit,
+)
+from ._onesided import (
+    DescriptorRevokedError,
+    ForeignDescriptorError,
+    RemoteAccessDeniedError,
+    RemoteBoundsError,
+    RemoteBuffer,
+    RemoteMemoryError,
+)
+from ._rdma.mempool import MemlockLimitError
 from ._rdma.config import RdmaBackend, RdmaConfig
 from ._errors import (
     AiordmaError,
@@ -54,6 +72,20 @@ __all__ = [
     "StreamListener",
     "ChannelListener",
     "TransportAttribute",
+    "RegisteredBuffer",
+    "RegisteredMemory",
+    "register",
+    "memory_stats",
+    "MemoryStats",
+    "set_pinned_limit",
+    "BufferBusyError",
+    "MemlockLimitError",
+    "RemoteBuffer",
+    "RemoteMemoryError",
+    "DescriptorRevokedError",
+    "ForeignDescriptorError",
+    "RemoteBoundsError",
+    "RemoteAccessDeniedError",
     "RdmaBackend",
     "RdmaConfig",
     "AiordmaError",

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Coroutine, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -25,8 +26,10 @@ from anyio import BusyResourceError
 from anyio.abc import ByteStream, Listener, ObjectStream, SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSListener
 
+from . import _remote
 from ._attributes import TransportAttribute
 from ._core import Core, Link
+from ._onesided import RemoteBuffer
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._links import AsyncioLink, StreamLink
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
@@ -153,6 +156,40 @@ class _Endpoint:
     async def send_eof(self) -> None:
         """Half-close: no more sends; receiving goes on."""
         await self._core.send_eof()
+
+    # -- one-sided remote memory (see aiordma._onesided and aiordma._remote) ----------------------
+
+    def expose(
+        self, buffer: Any, *, read: bool = True, write: bool = False, revoke_timeout: float = _remote.REVOKE_TIMEOUT
+    ) -> AbstractAsyncContextManager[RemoteBuffer]:
+        """``async with conn.expose(buf, read=True, write=True) as remote:`` -- let the peer READ
+        and/or WRITE ``buf`` on this connection until the block exits; ``remote.to_bytes()`` is
+        the descriptor to send it.
+
+        Over RDMA the peer's NIC reaches ``buf`` directly (a registration made for this exposure
+        alone); over TCP this side's aiordma serves the peer's requests.  Leaving the block
+        revokes the descriptor: the peer confirms that its operations on it are done (within
+        ``revoke_timeout``), then the registration goes.  ``buf`` must stay alive and unchanged
+        in size meanwhile (a :class:`RegisteredBuffer` cannot be closed while exposed)."""
+        return _remote.expose(self._core, buffer, read=read, write=write, revoke_timeout=revoke_timeout)
+
+    async def read(self, remote: RemoteBuffer, into: Any, *, offset: int = 0, length: int | None = None) -> int:
+        """Copy ``length`` bytes (default: ``len(into)``) at ``offset`` of the peer's exposed
+        memory into ``into`` (RDMA READ; zero-copy when ``into`` is registered memory); returns
+        the count.  Checked before anything is posted: a descriptor of another connection, a
+        revoked one, an access not granted or a range outside raise a :class:`RemoteMemoryError`
+        and touch nothing.  Cancellation: see :mod:`aiordma._remote`."""
+        return await _remote.read(self._core, remote, into, offset, length)
+
+    async def write(self, remote: RemoteBuffer, data: Any, *, offset: int = 0, notify: bool = False) -> None:
+        """Write ``data`` at ``offset`` of the peer's exposed memory (RDMA WRITE); returns once it
+        landed.  ``notify=True`` also tells the exposer (its ``written()`` returns the range)."""
+        await _remote.write(self._core, remote, data, offset, notify)
+
+    async def written(self, remote: RemoteBuffer) -> tuple[int, int]:
+        """The exposer's side: wait for the next write into ``remote`` that landed and was
+        announced (every write over TCP; ``notify=True`` ones over RDMA): ``(offset, length)``."""
+        return await _remote.written(self._core, remote)
 
     async def aclose(self) -> None:
         """Send CLOSE (bounded) and release the connection; idempotent, also when cancelled."""

@@ -46,6 +46,7 @@ from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
 from ._errors import HandshakeError, LocalProtocolError, ProtocolError
 from ._io import IOBackend, Watch, current_checkpoint
+from ._onesided import OneSided
 from ._protocol import (
     Chunk,
     CloseCode,
@@ -55,6 +56,7 @@ from ._protocol import (
     EndOfStream as EndOfStreamEvent,
     Event,
     Half,
+    MemoryFrame,
     Message,
     MessageSink,
     Mode,
@@ -96,6 +98,18 @@ class Link(abc.ABC):
 
     @abc.abstractmethod
     async def aclose(self, final: bytes) -> None: ...
+
+    #: True for links whose bytes are read only while a task waits in ``wait_incoming`` (an
+    #: exposure then keeps a task reading, so that the peer's one-sided requests are served)
+    pulls: bool = False
+
+    def send_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """Queue control frames (answers the Core makes while it is fed) to be sent in order,
+        without waiting; raises if the link is gone."""
+        self.write_nowait(chunks)
+
+    #: whether one-sided operations run on the NIC (an RDMA link); else MEMORY frames carry them
+    one_sided_rdma: bool = False
 
     @property
     @abc.abstractmethod
@@ -164,7 +178,35 @@ class Core:
         self.fallback_reason = ""
         #: a schedule point and cancel point of the running loop (asyncio.sleep(0) or trio's)
         self.checkpoint: Callable[[], Awaitable[None]] = current_checkpoint()
+        #: one-sided memory (created on first use, see aiordma._onesided)
+        self._memory: OneSided | None = None
         link.attach(self)
+
+    @property
+    def memory(self) -> OneSided:
+        mem = self._memory
+        if mem is None:
+            proto = self.proto
+            mem = self._memory = OneSided(max_out=proto.peer_max_frame, max_in=proto.max_frame_size)
+        return mem
+
+    def _on_memory(self, payload: bytes) -> None:
+        try:
+            answers = self.memory.receive(payload)
+        except ProtocolError as exc:
+            self.on_error(exc)
+            return
+        for answer in answers:
+            self.send_memory_nowait(answer)
+
+    def send_memory_nowait(self, payload: bytes) -> None:
+        """Send a MEMORY frame now (from a callback: an answer, a REVOKED)."""
+        if self.closed or self.error is not None or self.peer_close is not None:
+            return  # the connection ends: nobody will act on it
+        try:
+            self.link.send_nowait([self.proto.send_memory(payload)])
+        except Exception as exc:  # the link is gone: that is the connection's error
+            self.on_error(exc)
 
     # -- fed by the link ----------------------------------------------------
 
@@ -182,6 +224,8 @@ class Core:
             elif kind is ConnectionClosed:
                 self.peer_eof = True
                 self.peer_close = ev  # type: ignore[assignment]
+            elif kind is MemoryFrame:
+                self._on_memory(ev.payload)  # type: ignore[union-attr]
             else:
                 self.control.append(ev)
 

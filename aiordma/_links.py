@@ -333,7 +333,29 @@ class StreamLink(Link):
         self._feeds = 0
         self.ended = False
         self.closed = False
+        self._outbox: list[Chunk] = []  # control frames made while fed (send_nowait)
         Core(proto, self)
+
+    pulls = True
+
+    def send_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """Queued; sent by the task that fed them (after the feed) or by the next ``send``."""
+        if self.closed or self.ended:
+            raise ClosedResourceError
+        self._outbox.extend(chunks)
+
+    async def _flush_outbox(self) -> None:
+        # shielded (a frame cut by a cancellation would corrupt the stream), and bounded
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(CLOSE_TIMEOUT):
+                try:
+                    async with self._send_lock:
+                        while self._outbox:
+                            chunks, self._outbox = self._outbox, []
+                            await self.stream.send(b"".join(chunks))
+                except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                    self._outbox.clear()
+                    self.core.on_error(exc)
 
     async def wait_incoming(self) -> None:
         core = self.core
@@ -355,6 +377,8 @@ class StreamLink(Link):
                 core.feed_eof(exc)
             else:
                 core.feed(data)
+                if self._outbox:
+                    await self._flush_outbox()
                 if core.error is not None and isinstance(core.error, (ProtocolError, HandshakeError)):
                     self.ended = True
                     with anyio.CancelScope(shield=True):
@@ -367,6 +391,9 @@ class StreamLink(Link):
             chunks = [b"".join(chunks)]
         try:
             async with self._send_lock:
+                if self._outbox:  # (answers queued while fed go first: they were made first)
+                    chunks = [*self._outbox, *chunks]
+                    self._outbox = []
                 for chunk in chunks:
                     await self.stream.send(chunk)  # type: ignore[arg-type]
         except (BrokenResourceError, ClosedResourceError, OSError) as exc:

@@ -56,6 +56,7 @@ __all__ = [
     "TransportSelected",
     "Data",
     "Message",
+    "MemoryFrame",
     "EndOfStream",
     "ConnectionClosed",
     "Event",
@@ -112,6 +113,9 @@ class FrameType(enum.IntEnum):
     MESSAGE = 0x11
     EOF = 0x12
     CLOSE = 0x13
+    #: one-sided memory: exposures, their revocation, and READ/WRITE served over TCP
+    #: (the payload is :mod:`aiordma._onesided`'s)
+    MEMORY = 0x14
 
 
 class Mode(enum.IntEnum):
@@ -181,6 +185,13 @@ class Message:
     data: bytes
 
 
+@dataclass(slots=True)
+class MemoryFrame:
+    """A MEMORY frame's payload (for :mod:`aiordma._onesided`)."""
+
+    payload: bytes
+
+
 @dataclass(frozen=True, slots=True)
 class EndOfStream:
     """The peer will send no more data (it may still receive)."""
@@ -192,7 +203,9 @@ class ConnectionClosed:
     reason: str
 
 
-Event: TypeAlias = Union[HelloReceived, TransportSelected, Data, Message, EndOfStream, ConnectionClosed]
+Event: TypeAlias = Union[HelloReceived, TransportSelected, Data, Message, MemoryFrame, EndOfStream, ConnectionClosed]
+#: what a MEMORY frame may carry beyond max_frame_size bytes of data (its fixed fields)
+MEMORY_OVERHEAD: Final = 64
 Chunk: TypeAlias = Union[bytes, memoryview]
 
 _END_OF_STREAM: Final = EndOfStream()
@@ -564,6 +577,19 @@ class Connection:
             return [_JOIN((_pack_header(_T_MESSAGE, 0, 0, n), data))]
         return [_pack_header(_T_MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
 
+    def send_memory(self, payload: bytes) -> bytes:
+        """A MEMORY frame (one-sided memory; see :mod:`aiordma._onesided`)."""
+        self._check_alive()
+        if self.state is not State.OPEN or self.close_sent:
+            raise LocalProtocolError(f"cannot send a MEMORY frame in state {self.state.value}")
+        if len(payload) > self._peer_max_frame + MEMORY_OVERHEAD:
+            raise LocalProtocolError(f"MEMORY frame of {len(payload)} bytes exceeds the peer's limit")
+        return _pack_header(FrameType.MEMORY, 0, 0, len(payload)) + payload
+
+    @property
+    def peer_max_frame(self) -> int:
+        return self._peer_max_frame
+
     def send_eof(self) -> bytes:
         """Half-close: we send no more data; the peer may still send."""
         self._check_alive()
@@ -912,6 +938,8 @@ class Connection:
             return self.max_message_size
         if ftype == FrameType.DATA:
             return self.max_frame_size
+        if ftype == FrameType.MEMORY:
+            return self.max_frame_size + MEMORY_OVERHEAD
         limit = _CONTROL_LIMITS.get(ftype)
         if limit is None:
             err = RemoteProtocolError(f"unknown frame type {ftype:#x}")
@@ -941,6 +969,10 @@ class Connection:
                 raise RemoteProtocolError("DATA frame on a message connection")
             self._half_step(self.recv_half if self.state is State.OPEN else Half.CLOSED, HalfInput.DATA, remote=True)
             raise AssertionError("unreachable")  # pragma: no cover
+        if ftype is FrameType.MEMORY:
+            if self.state is not State.OPEN:
+                raise RemoteProtocolError(f"MEMORY frame in state {self.state.value}")
+            return MemoryFrame(bytes(payload))
         if ftype is FrameType.EOF:
             if self.state is not State.OPEN:
                 self._half_step(Half.CLOSED, HalfInput.EOF, remote=True)

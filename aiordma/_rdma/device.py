@@ -98,6 +98,8 @@ class Device:
         self.cq: Any = None
         self._watches: list[Watch] = []
         self._regions: dict[int, list[Any]] = {}
+        #: user memory registered here (aiordma.RegisteredBuffer / register()) -> its region
+        self._user: dict[Any, Any] = {}
         try:
             self.ctx = ctx = provider.open_context(name)
             self.attr = ctx.query_device()
@@ -170,6 +172,26 @@ class Device:
         else:
             mr.close()
 
+    def register_user(self, mem: Any, view: memoryview) -> Any:
+        """Register user memory (local access: sources of sends and WRITEs, targets of READs)."""
+        from .constants import Access
+
+        if self.closed:
+            raise RDMAError(errno.ENODEV, "ibv_reg_mr", f"the device {self.name} is closed")
+        mr = self.pd.reg_buffer(view, Access.LOCAL_WRITE)
+        self._user[mem] = mr
+        return mr
+
+    def unregister_user(self, mem: Any, mr: Any) -> None:
+        self._user.pop(mem, None)
+        mr.close()
+
+    def register_exposed(self, view: memoryview, access: int) -> Any:
+        """A region the peer may reach (its own registration: revoking it is deregistering it)."""
+        from .constants import Access
+
+        return self.pd.reg_buffer(view, Access.LOCAL_WRITE | access)
+
     # -- async events -------------------------------------------------------------------
 
     def _on_async_event(self) -> None:
@@ -234,6 +256,11 @@ class Device:
             for mr in regions:
                 attempt(mr.close)
         self._regions.clear()
+        for mem in list(self._user):
+            mr = mem.forget_device(self)
+            self._user.pop(mem, None)
+            if mr is not None:
+                attempt(mr.close)
         if self.pd is not None:
             attempt(self.pd.close)
         if self.ctx is not None:

@@ -24,6 +24,8 @@ bytes were copied out.
 
 from __future__ import annotations
 
+import errno as _errno
+
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,7 +37,8 @@ from .params import RdmaParams
 from .session import Ring, SendWork, detach_views, queue_views
 from .states import LinkInput, LinkState, next_state
 
-__all__ = ["NativeSession", "native_lib", "CS_OPEN", "EVT_DATA", "EVT_ROOM", "EVT_ERROR", "EVT_CLOSE_SENT"]
+__all__ = ["NativeSession", "native_lib", "CS_OPEN", "EVT_DATA", "EVT_ROOM", "EVT_ERROR", "EVT_CLOSE_SENT",
+           "EVT_ONESIDED"]
 
 
 def native_lib() -> tuple[Any, Any] | None:
@@ -53,11 +56,13 @@ if _NATIVE is not None:
     CS_SETUP, CS_OPEN, CS_CLOSING, CS_DRAINING = _L.AIORDMA_CS_SETUP, _L.AIORDMA_CS_OPEN, _L.AIORDMA_CS_CLOSING, _L.AIORDMA_CS_DRAINING
     EVT_DATA, EVT_ROOM, EVT_ERROR = _L.AIORDMA_EVT_DATA, _L.AIORDMA_EVT_ROOM, _L.AIORDMA_EVT_ERROR
     EVT_PROBE, EVT_CLOSE_SENT, EVT_DRAIN = _L.AIORDMA_EVT_PROBE, _L.AIORDMA_EVT_CLOSE_SENT, _L.AIORDMA_EVT_DRAIN
+    EVT_ONESIDED = _L.AIORDMA_EVT_ONESIDED
     BLOCK_SQ = _L.AIORDMA_BLOCK_SQ
     KIND_PROBE, KIND_FENCE = _L.AIORDMA_KIND_PROBE, _L.AIORDMA_KIND_FENCE
 else:  # pragma: no cover - without the native module nothing here is used
     CS_SETUP, CS_OPEN, CS_CLOSING, CS_DRAINING = 0, 1, 2, 3
     EVT_DATA, EVT_ROOM, EVT_ERROR, EVT_PROBE, EVT_CLOSE_SENT, EVT_DRAIN = 1, 2, 4, 8, 16, 32
+    EVT_ONESIDED = 64
     BLOCK_SQ = 2
     KIND_PROBE, KIND_FENCE = 2, 3
 
@@ -201,6 +206,7 @@ class NativeSession:
         c.o_seq = self._array("uint64_t[]", sq_depth)
         c.o_slot = self._array("int32_t[]", sq_depth)
         c.o_sig = self._array("uint8_t[]", sq_depth)
+        c.os_done = self._array("uint64_t[]", sq_depth)
         c.every = max(1, min(signal_every, sq_depth // 2, max(1, send.count // 2)))
         c.max_inline = min(max_inline, send_size, 1024)
         if self.record is not None:
@@ -447,6 +453,36 @@ class NativeSession:
 
     def take_deferred(self) -> list[tuple[int, int, int, int, int, int]]:
         return []  # early bytes are delivered by C and kept by the link
+
+    # -- one-sided RDMA READ / WRITE --------------------------------------------------------
+
+    def post_onesided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> int:
+        """Post a signaled RDMA READ or WRITE (bounds and keys checked by the caller); returns its
+        sequence number, or 0 while the send queue is full (wait for a send completion)."""
+        lib = self._lib
+        opcode = lib.IBV_WR_RDMA_WRITE if write else lib.IBV_WR_RDMA_READ
+        seq = int(lib.aiordma_chan_onesided(self.c, opcode, laddr, length, lkey, raddr, rkey))
+        if seq == -_errno.EAGAIN:
+            return 0
+        if seq < 0:
+            self._check_c()
+            if self.error is None:
+                self.fail(RDMAError(-seq, "ibv_post_send", "posting an RDMA READ/WRITE failed"))
+            raise self.error  # type: ignore[misc]
+        self._posted()
+        self._check_c()
+        return seq
+
+    def take_onesided(self) -> list[tuple[int, int]]:
+        """The one-sided WRs completed since the last call: (sequence number, wc status)."""
+        c = self.c
+        n = c.os_n
+        if not n:
+            return []
+        done = c.os_done
+        out = [(int(done[i]) >> 8, int(done[i]) & 0xFF) for i in range(n)]
+        c.os_n = 0
+        return out
 
     def stats(self) -> dict[str, int]:
         c = self.c

@@ -45,15 +45,17 @@ from anyio import BrokenResourceError, ClosedResourceError
 from anyio.abc import SocketAttribute
 
 from .._attributes import TransportAttribute
+from .._memory import count_staged, find_registered, release_pinned, reserve_pinned
+from .._onesided import READ, WRITE, RemoteMemoryError
 from .._core import RECEIVE_HIGH_WATER, Core, Link
 from .._errors import RDMAError, RemoteProtocolError
 from .._io import IOBackend, Watch, current_io
 from .._protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
-from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
+from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, wc_status_name
 from .device import Device, acquire_device, open_devices
-from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ROOM, NativeSession
+from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
@@ -65,6 +67,10 @@ log = logging.getLogger("aiordma")
 _SIGNALED = 2
 _SOLICITED = 4
 _EVENTS_BESIDES_DATA = ~(EVT_DATA | EVT_ROOM)
+#: one-sided operations: the largest piece one work request moves, and the staging size for
+#: memory outside any registration
+MAX_RDMA_MESSAGE = 1 << 30
+STAGE = 4 << 20
 
 
 def _address(link: Link, attribute: Any) -> str | None:
@@ -121,6 +127,9 @@ class RdmaLink(Link):
         self._local_peer = False
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
         self._sq_wanted = False  # armed for send completions because posting waits for room (native)
+        self._os_done: dict[int, int] = {}  # one-sided WRs completed: seq -> wc status (native)
+        self._os_waiting = 0
+        self._exposed: dict[int, tuple[Any, int]] = {}  # id(region) -> (exposed region, pinned bytes)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -218,6 +227,7 @@ class RdmaLink(Link):
             window=cfg.window,
             control=cfg.control,
             buffer_size=cfg.buffer_size,
+            rd_atom=qp_setup.rd_atom_of(self.device) if self.device is not None else 1,
         ))  # fmt: skip
 
     def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
@@ -238,9 +248,9 @@ class RdmaLink(Link):
         self._enter("params")
         self.peer = peer = qp_setup.check_peer(peer_raw, peer_ip)
         self._enter("rtr")
-        qp_setup.rtr(qp, self.gid_entry, peer, self.mtu)
+        qp_setup.rtr(qp, self.gid_entry, peer, self.mtu, qp_setup.rd_atom_of(device))
         self._enter("rts")
-        qp_setup.rts(qp, self.psn, cfg)
+        qp_setup.rts(qp, self.psn, cfg, device, peer)
         slot = min(peer.buffer_size, cfg.buffer_size)
         self.send_mr = device.take_region(cfg.window * slot)
         ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)
@@ -384,6 +394,9 @@ class RdmaLink(Link):
                     session.fail(core.error)
             elif early:
                 self._early.append(bytes(view))
+        if events & EVT_ONESIDED:
+            for seq, status in session.take_onesided():
+                self._os_done[seq] = status
         blocked = c.blocked == BLOCK_SQ
         if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence or blocked)):
             session.on_events(events)
@@ -662,6 +675,127 @@ class RdmaLink(Link):
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
 
+    # -- one-sided RDMA READ / WRITE (the native path) ----------------------------------------
+    #
+    # Ownership: the local memory of an operation is the device's from its post until its
+    # completion is polled.  A cancelled operation therefore waits (shielded) for that
+    # completion before it lets the cancellation through: a posted WR always completes --
+    # done, failed, or flushed once the QP is in ERROR -- or the QP is destroyed, after which
+    # the device touches nothing.
+
+    @property
+    def one_sided_rdma(self) -> bool:  # type: ignore[override]
+        return self._native and self._active and self.session is not None
+
+    def expose_region(self, view: memoryview, access: int) -> Any:
+        """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted)."""
+        device = self.device
+        if device is None or device.closed:
+            raise BrokenResourceError("the RDMA connection is gone")
+        flags = (Access.REMOTE_READ if access & READ else 0) | (Access.REMOTE_WRITE if access & WRITE else 0)
+        reserve_pinned(view.nbytes)
+        try:
+            region = device.register_exposed(view, flags)
+        except BaseException:
+            release_pinned(view.nbytes)
+            raise
+        self._exposed[id(region)] = (region, view.nbytes)
+        return region
+
+    def release_region(self, region: Any) -> None:
+        """Deregister an exposed region (after the revocation; idempotent)."""
+        entry = self._exposed.pop(id(region), None)
+        if entry is not None:
+            try:
+                region.close()
+            finally:
+                release_pinned(entry[1])
+
+    async def rdma(self, write: bool, view: memoryview, raddr: int, rkey: int) -> None:
+        """RDMA WRITE ``view`` to ``[raddr, rkey]``, or READ into it; returns once it completed.
+
+        ``view`` inside live registered memory goes as it is (zero copy); anything else is staged
+        through the device's registered regions, ``STAGE`` bytes at a time."""
+        n = view.nbytes
+        found = find_registered(view)
+        if found is not None:
+            mem, offset = found
+            device = self.device
+            if device is None:
+                raise BrokenResourceError("the RDMA connection is gone")
+            mr = mem.mr_for(device)
+            mem.hold()
+            try:
+                pos = 0
+                while pos < n:
+                    piece = min(n - pos, MAX_RDMA_MESSAGE)
+                    await self._one_sided(write, mr.addr + offset + pos, piece, mr.lkey, raddr + pos, rkey)
+                    pos += piece
+            finally:
+                mem.unhold()
+            return
+        device = self.device
+        if device is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        size = min(n, STAGE)
+        region = device.take_region(size)
+        try:
+            stage = region.view()
+            try:
+                pos = 0
+                while pos < n:
+                    piece = min(n - pos, size)
+                    if write:
+                        stage[:piece] = view[pos : pos + piece]
+                    await self._one_sided(write, region.addr, piece, region.lkey, raddr + pos, rkey)
+                    if not write:
+                        view[pos : pos + piece] = stage[:piece]
+                    count_staged(piece)
+                    pos += piece
+            finally:
+                stage.release()
+        finally:
+            if self.qp is not None or self._qp_gone:
+                device.give_region(region)  # the op completed (or the QP is gone): reusable
+
+    @property
+    def _qp_gone(self) -> bool:
+        return self.qp is None and self.session is not None
+
+    async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
+        await self.core.checkpoint()
+        session = self.session
+        wanted = self._want_sends()  # our completion is not solicited: be woken by every one
+        try:
+            while True:
+                self._check_usable()
+                seq = session.post_onesided(write, laddr, length, lkey, raddr, rkey)
+                if seq:
+                    break
+                await self._wait()  # the send queue is full: a send completion makes room
+            try:
+                while seq not in self._os_done and self.qp is not None:
+                    await self._wait()
+            except BaseException:
+                # cancelled (or the loop stops): the NIC may still use the memory -- wait for it
+                with anyio.CancelScope(shield=True):
+                    while seq not in self._os_done and self.qp is not None:
+                        await self._wait()
+                self._os_done.pop(seq, None)
+                raise
+        finally:
+            self._unwant_sends(wanted)
+        status = self._os_done.pop(seq, None)
+        if status is None:
+            raise BrokenResourceError("the RDMA connection ended before the operation completed")
+        if status:
+            what = "WRITE" if write else "READ"
+            err = RemoteMemoryError(
+                f"the RDMA {what} failed: {wc_status_name(status)} (on RC this ends the connection)"
+            )
+            err.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise err
+
     # -- teardown ------------------------------------------------------------------------
 
     async def aclose(self, final: bytes) -> None:
@@ -773,6 +907,10 @@ class RdmaLink(Link):
                 self.session.reclaim()
             except RuntimeError:
                 pass
+        if qp_gone:
+            for region, _n in list(self._exposed.values()):
+                attempt(partial(self.release_region, region))  # (an exposure still open: revoked here)
+        self._wake_all()  # one-sided operations waiting for a completion: the QP is gone
         if device is not None:
             for mr in (self.send_mr, self.recv_mr):
                 if mr is not None:

@@ -26,6 +26,9 @@ from .._errors import RemoteProtocolError
 __all__ = ["RdmaParams", "PARAMS"]
 
 PARAMS: Final = struct.Struct("!BBH16sIIHHI")
+#: optional trailing fields (a peer that sends none offers one outstanding RDMA READ):
+#: responder resources u8 (how many RDMA READs the peer serves at once, 1..255)
+PARAMS_EXT: Final = struct.Struct("!B")
 VERSION: Final = 1
 MAX_WINDOW: Final = 4096
 MAX_CONTROL: Final = 127
@@ -43,11 +46,13 @@ class RdmaParams:
     window: int
     control: int
     buffer_size: int
+    #: RDMA READs (and atomics) this side serves at once: its QP's max_dest_rd_atomic
+    rd_atom: int = 1
 
     def encode(self) -> bytes:
         return PARAMS.pack(
             VERSION, self.mtu, 0, self.gid, self.qp_num, self.psn, self.window, self.control, self.buffer_size
-        )
+        ) + PARAMS_EXT.pack(self.rd_atom)
 
     @property
     def gid_address(self) -> ipaddress.IPv6Address:
@@ -76,4 +81,9 @@ class RdmaParams:
             raise RemoteProtocolError(f"RDMA buffer size {buffer_size} is not between {MIN_BUFFER} and {MAX_BUFFER}")
         if gid == bytes(16):
             raise RemoteProtocolError("the RDMA GID is all zeros")
-        return cls(gid, qp_num, psn, mtu, window, control, buffer_size)
+        rd_atom = 1
+        if len(raw) >= PARAMS.size + PARAMS_EXT.size:
+            (rd_atom,) = PARAMS_EXT.unpack_from(raw, PARAMS.size)
+            if rd_atom < 1:
+                raise RemoteProtocolError("RDMA parameters offer no RDMA READ resources (0)")
+        return cls(gid, qp_num, psn, mtu, window, control, buffer_size, rd_atom)

@@ -5,9 +5,11 @@ of the fallback reasons (``docs/architecture.md``):
 
 * :func:`create_qp` (``resources``): an RC QP on the device's shared CQ, its
   queue depths reserved from the CQ's budget, as the *granted* caps say;
-* :func:`to_init` (``init``): access flags -- local write, and remote WRITE
-  only so that the zero-length path probe is answered (no region grants
-  remote access, so no WRITE or READ of any length touches our memory);
+* :func:`to_init` (``init``): access flags -- local write, remote WRITE and
+  READ.  What the peer may reach is decided per region: ring regions are
+  local-only, so the zero-length path probe is the only WRITE they answer;
+  only a region the application exposes (``Channel.expose``) carries remote
+  access, and only for as long as it is exposed;
 * :func:`check_peer` (``params``): the peer's parameters are valid and its
   GID is the TCP peer's address, so a HELLO cannot aim our QP at a third host;
 * :func:`rtr`, :func:`rts` (steps ``rtr``, ``rts``): RTR towards the peer, then RTS with
@@ -28,7 +30,14 @@ from .params import MTU_BYTES, RdmaParams
 __all__ = ["create_qp", "to_init", "check_peer", "rtr", "rts", "gid_of", "readable_gid", "QP_ACCESS"]
 
 #: what a connection's QP allows its peer (see the module docs)
-QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+#: RDMA READs in flight at once, at most (the device may grant fewer)
+MAX_RD_ATOM = 16
+
+
+def rd_atom_of(device: Device) -> int:
+    """How many RDMA READs this side serves at once (its QPs' max_dest_rd_atomic)."""
+    return max(1, min(MAX_RD_ATOM, int(getattr(device.attr, "max_qp_rd_atom", 1) or 1)))
 
 
 def gid_of(ip: str) -> bytes:
@@ -82,11 +91,18 @@ def check_peer(peer_raw: bytes | None, peer_ip: str | None) -> RdmaParams:
     return peer
 
 
-def rtr(qp: Any, entry: GidEntry, peer: RdmaParams, mtu: int) -> None:
+def rtr(qp: Any, entry: GidEntry, peer: RdmaParams, mtu: int, rd_atom: int = 1) -> None:
+    """RTR; ``rd_atom``: the RDMA READs we serve at once (what our HELLO announced)."""
     qp.to_rtr(peer.qp_num, peer.gid, sgid_index=entry.index, rq_psn=peer.psn,
-              path_mtu=min(mtu, MTU_BYTES[peer.mtu]), port_num=entry.port)  # fmt: skip
+              path_mtu=min(mtu, MTU_BYTES[peer.mtu]), port_num=entry.port,
+              max_dest_rd_atomic=rd_atom)  # fmt: skip
 
 
-def rts(qp: Any, psn: int, config: RdmaConfig) -> None:
-    qp.to_rts(psn, timeout=config.qp_timeout, retry_cnt=config.retry_cnt, rnr_retry=config.rnr_retry)
+def rts(qp: Any, psn: int, config: RdmaConfig, device: Device | None = None, peer: RdmaParams | None = None) -> None:
+    """RTS; RDMA READs in flight: what our device initiates at once and the peer serves, at most."""
+    init = 1
+    if device is not None and peer is not None:
+        init = max(1, min(MAX_RD_ATOM, int(getattr(device.attr, "max_qp_init_rd_atom", 1) or 1), peer.rd_atom))
+    qp.to_rts(psn, timeout=config.qp_timeout, retry_cnt=config.retry_cnt, rnr_retry=config.rnr_retry,
+              max_rd_atomic=init)  # fmt: skip
 

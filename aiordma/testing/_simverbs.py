@@ -1089,7 +1089,7 @@ class SimQueuePair(_SimResource):
                 if not err:
                     imm = int(w.imm_data) if w.opcode == Opcode.SEND_WITH_IMM else 0
                     err = self._post_send(int(w.opcode), int(w.wr_id), int(w.addr), int(w.length), int(w.lkey),
-                                          0, 0, imm, flags, inline_data=data)  # fmt: skip
+                                          int(w.remote_addr), int(w.rkey), imm, flags, inline_data=data)  # fmt: skip
         m = chan.rec_recv_n
         if m:
             chan.rec_recv_n = 0

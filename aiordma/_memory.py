@@ -1,0 +1,332 @@
+"""Registered memory: buffers the NIC may read and write, registered once per device.
+
+Theory of operation
+-------------------
+The NIC reaches host memory by DMA, so memory it uses must be *registered*
+(``ibv_reg_mr``): the kernel pins the pages (they can be neither swapped out
+nor moved) and hands back the keys a work request names them by.
+Registering costs a system call and a page-table walk per page, so it is
+done once per buffer and device and kept:
+
+* :class:`RegisteredBuffer` -- memory of our own: an anonymous ``mmap``,
+  page-aligned, zero-filled; ``memoryview(buf)`` works (it *is* an ``mmap``);
+* :func:`register` -- an existing writable buffer (``bytearray``, ``mmap``, a
+  numpy array, anything with the buffer protocol, C-contiguous): the handle
+  holds a buffer export, so the object cannot be resized or freed under the
+  NIC.
+
+Both are :class:`RegisteredMemory`.  They are registered lazily, the first
+time a connection on a device uses them, and that registration stays until
+:meth:`RegisteredMemory.close` (or the device closes).  Any buffer handed to
+a zero-copy call (``send``, ``receive_into``, ``read``, ``write``) is looked
+up by its *address range* among the live registered memories: a slice of a
+registered buffer is registered too (this is the registration cache; a hit
+costs a dictionary walk, no system call).  A buffer that is not inside a
+live registration is staged through the device's registered regions (one
+copy): caching registrations of arbitrary objects is unsafe in Python,
+whose allocator reuses freed addresses for new objects -- a cached
+registration would then name pages that hold someone else's data.
+
+Pinned bytes are limited per process (:func:`set_pinned_limit`; by default
+the RLIMIT_MEMLOCK soft limit when it is finite, else half the RAM): beyond
+it, registering raises :class:`~aiordma.MemlockLimitError`, whose message
+says in plain words what the limit is and how to raise it.
+
+Ownership: while a work request that names the memory is posted (a ``read``
+or ``write`` in flight, an exposure the peer may use), the memory is the
+device's: :meth:`RegisteredMemory.close` raises :class:`BufferBusyError`
+instead of deregistering it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Self
+
+from ._errors import AiordmaError
+
+__all__ = [
+    "BufferBusyError",
+    "MemoryStats",
+    "RegisteredBuffer",
+    "RegisteredMemory",
+    "memory_stats",
+    "register",
+    "set_pinned_limit",
+]
+
+
+class BufferBusyError(AiordmaError):
+    """The memory is in use by the NIC (an operation in flight, a live exposure)."""
+
+
+def _default_limit() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY:
+        return int(soft)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):  # pragma: no cover - every Linux has both
+        return 1 << 34
+
+
+class _State:
+    """Process-wide counters and the live registered memories (by address)."""
+
+    def __init__(self) -> None:
+        self.limit: int | None = None  # None: the default, computed when first needed
+        self.pinned = 0  # bytes registered by RegisteredMemory and exposures, over all devices
+        self.registrations = 0
+        self.live: dict[int, RegisteredMemory] = {}  # start address -> memory
+        self.hits = 0
+        self.misses = 0
+        self.staged = 0
+
+    def get_limit(self) -> int:
+        if self.limit is None:
+            self.limit = _default_limit()
+        return self.limit
+
+
+_state = _State()
+
+
+def set_pinned_limit(nbytes: int | None) -> None:
+    """The most bytes this process may register through aiordma (None: the default, see the
+    module docs).  Rings of open connections are not counted; they are sized by ``RdmaConfig``."""
+    if nbytes is not None and nbytes < 0:
+        raise ValueError("the pinned-memory limit cannot be negative")
+    _state.limit = nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """What :func:`memory_stats` reports."""
+
+    #: bytes registered right now (each device's registration counts)
+    pinned_bytes: int
+    #: registrations right now (a buffer on two devices counts twice)
+    registrations: int
+    #: live RegisteredBuffer / register() handles
+    buffers: int
+    #: zero-copy calls that found their buffer registered already / that had to register it
+    cache_hits: int
+    cache_misses: int
+    #: bytes copied through staging regions (buffers outside any registration)
+    staged_bytes: int
+    #: the pinned-bytes limit in force
+    limit: int
+
+
+def memory_stats() -> MemoryStats:
+    s = _state
+    return MemoryStats(s.pinned, s.registrations, len(s.live), s.hits, s.misses, s.staged, s.get_limit())
+
+
+def _reserve(nbytes: int) -> None:
+    limit = _state.get_limit()
+    if _state.pinned + nbytes > limit:
+        from ._rdma.mempool import MemlockLimitError, memlock_advice
+
+        raise MemlockLimitError(
+            12,  # ENOMEM
+            "register memory",
+            f"aiordma's pinned-memory limit is {limit} bytes and {_state.pinned} are registered; "
+            f"{nbytes} more were asked for (aiordma.set_pinned_limit raises it). "
+            + memlock_advice(nbytes, _state.pinned),
+        )
+    _state.pinned += nbytes
+    _state.registrations += 1
+
+
+def _unreserve(nbytes: int) -> None:
+    _state.pinned -= nbytes
+    _state.registrations -= 1
+
+
+def reserve_pinned(nbytes: int) -> None:
+    """Count ``nbytes`` more pinned bytes (an exposure's own registration); raises past the limit."""
+    _reserve(nbytes)
+
+
+def release_pinned(nbytes: int) -> None:
+    _unreserve(nbytes)
+
+
+class RegisteredMemory:
+    """Memory registered for RDMA (see the module docs).  Use :class:`RegisteredBuffer` or
+    :func:`register`; release with :meth:`close` or ``with``."""
+
+    # (the attributes live in the concrete classes: RegisteredBuffer is an mmap subclass)
+    _view: memoryview
+    _addr: int
+    _mrs: dict[Any, Any]
+    _busy: int
+    _closed: bool
+
+    def _setup(self, view: memoryview) -> None:
+        if view.readonly:
+            raise TypeError("registered memory must be writable")
+        if not view.c_contiguous:
+            raise TypeError("registered memory must be C-contiguous")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._view = view
+        self._addr = _address(view) if view.nbytes else 0
+        self._mrs = {}  # device -> its memory region for this memory
+        self._busy = 0
+        self._closed = False
+        if view.nbytes:
+            _state.live[self._addr] = self
+
+    @property
+    def nbytes(self) -> int:
+        return self._view.nbytes
+
+    @property
+    def view(self) -> memoryview:
+        """A writable byte view of the memory (valid until :meth:`close`)."""
+        if self._closed:
+            raise ValueError("the registered memory is closed")
+        return self._view
+
+    @property
+    def busy(self) -> bool:
+        """Whether the NIC may use the memory right now (an operation in flight, an exposure)."""
+        return self._busy > 0
+
+    def mr_for(self, device: Any) -> Any:
+        """This memory's registration on ``device`` (registered on first use: counted as a miss)."""
+        mr = self._mrs.get(device)
+        if mr is not None:
+            _state.hits += 1
+            return mr
+        if self._closed:
+            raise ValueError("the registered memory is closed")
+        _state.misses += 1
+        _reserve(self._view.nbytes)
+        try:
+            mr = device.register_user(self, self._view)
+        except BaseException:
+            _unreserve(self._view.nbytes)
+            raise
+        self._mrs[device] = mr
+        return mr
+
+    def forget_device(self, device: Any) -> Any:
+        """The device closes: its registration goes (the caller deregisters the returned MR)."""
+        mr = self._mrs.pop(device, None)
+        if mr is not None:
+            _unreserve(self._view.nbytes)
+        return mr
+
+    def hold(self) -> None:
+        """The NIC may use the memory from now on (a post, an exposure)."""
+        self._busy += 1
+
+    def unhold(self) -> None:
+        self._busy -= 1
+
+    def close(self) -> None:
+        """Deregister everywhere and let the memory go.  Raises :class:`BufferBusyError` while the
+        NIC may still use it (nothing changes then).  Idempotent."""
+        if self._closed:
+            return
+        if self._busy:
+            raise BufferBusyError(
+                f"the registered memory is in use by {self._busy} RDMA operation(s) or exposure(s); "
+                "close it after they ended"
+            )
+        self._closed = True
+        for device in list(self._mrs):
+            mr = self.forget_device(device)
+            device.unregister_user(self, mr)
+        if self._view.nbytes:
+            _state.live.pop(self._addr, None)
+        self._release()
+
+    def _release(self) -> None:
+        self._view.release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RegisteredBuffer(RegisteredMemory, mmap.mmap):
+    """``size`` bytes of page-aligned, zero-filled memory, registered with each device on first
+    use (it is an ``mmap``: ``memoryview(buf)``, slicing and ``buf[i]`` work)."""
+
+    def __new__(cls, size: int) -> RegisteredBuffer:
+        if size <= 0:
+            raise ValueError("a RegisteredBuffer needs a positive size")
+        return super().__new__(cls, -1, size)
+
+    def __init__(self, size: int) -> None:
+        self._setup(memoryview(self))
+
+    def _release(self) -> None:
+        self._view.release()
+        mmap.mmap.close(self)
+
+    def close(self) -> None:  # (mmap.close would unmap under a registration)
+        RegisteredMemory.close(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._mrs)} device(s)"
+        return f"<aiordma.RegisteredBuffer {self.nbytes} bytes, {state}>"
+
+
+class _Registered(RegisteredMemory):
+    """What :func:`register` returns: a handle on someone else's buffer."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._setup(memoryview(obj))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<aiordma registered {type(self.obj).__name__} of {self.nbytes} bytes>"
+
+
+def register(obj: Any) -> RegisteredMemory:
+    """Register an existing writable, C-contiguous buffer (``bytearray``, ``mmap``, numpy array, ...).
+
+    The handle keeps a buffer export of ``obj`` (a bytearray cannot be resized meanwhile) and
+    registers it with each device on first use; :meth:`~RegisteredMemory.close` deregisters it."""
+    return _Registered(obj)
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def find_registered(view: memoryview) -> tuple[RegisteredMemory, int] | None:
+    """The live registered memory that holds all of ``view`` (writable, contiguous), and the
+    offset of ``view`` in it; None if there is none."""
+    if view.readonly or not view.c_contiguous or not view.nbytes or not _state.live:
+        return None
+    addr = _address(view)
+    end = addr + view.nbytes
+    for start, mem in _state.live.items():
+        if start <= addr and end <= start + mem._view.nbytes and not mem._closed:
+            return mem, addr - start
+    return None
+
+
+def count_staged(nbytes: int) -> None:
+    _state.staged += nbytes
+
+
+def live_memories() -> Iterator[RegisteredMemory]:
+    return iter(list(_state.live.values()))

@@ -1,0 +1,263 @@
+"""One-sided remote memory: expose / read / write, over every transport, with the scoping rules.
+
+The same program runs over the in-memory pipe and TCP (the peer's aiordma serves the
+operations through MEMORY frames), over the simulated RC wire on the native path (RDMA
+READ/WRITE work requests against the exposure's own registration) and on the checked path
+(frames over RDMA SENDs), and on rxe in the guest: the results must be identical, byte for
+byte, and so must the errors.  Pinned-byte counters must be back where they were after every
+test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aiordma
+from aiordma import (
+    DescriptorRevokedError,
+    ForeignDescriptorError,
+    RegisteredBuffer,
+    RemoteAccessDeniedError,
+    RemoteBoundsError,
+    RemoteBuffer,
+)
+from aiordma.testing import channel_pair, stream_pair
+
+from .test_conformance import KINDS, VARIANTS, _pair_args
+from ._leaks import no_fd_leak
+
+pytestmark = pytest.mark.anyio
+
+HYPOTHESIS = settings(
+    max_examples=int(os.environ.get("AIORDMA_HYPOTHESIS_EXAMPLES", "15")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.fixture(params=[k for k in KINDS if k.values[0] not in ("sim-adaptive", "sim-busy", "rdma-adaptive", "rdma-busy")])
+def kind(request: pytest.FixtureRequest) -> str:
+    kind = str(request.param)
+    if kind.startswith("rdma") and "anyio_backend" in request.fixturenames:
+        name, options = request.getfixturevalue("anyio_backend")
+        if name != "asyncio" or options:
+            pytest.skip("rxe runs: asyncio only (the loops are covered on the simulated wire)")
+    return kind
+
+
+@pytest.fixture(autouse=True)
+def pinned_back_to_zero() -> Any:
+    before = aiordma.memory_stats()
+    yield
+    after = aiordma.memory_stats()
+    assert after.pinned_bytes == before.pinned_bytes, "pinned bytes were not given back"
+    assert after.registrations == before.registrations
+    assert after.buffers == before.buffers, "a registered buffer was left open"
+
+
+@asynccontextmanager
+async def channels(kind: str) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:
+    base, backend = _pair_args(kind)
+    async with no_fd_leak():
+        async with channel_pair(base, rdma_backend=backend) as pair:  # type: ignore[arg-type]
+            yield pair
+
+
+def _expected_transport(kind: str) -> str:
+    return "tcp" if kind in ("memory", "tcp") else "rdma"
+
+
+async def test_read_and_write_an_exposed_buffer(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b):
+        assert a.transport == _expected_transport(kind)
+        target = bytearray(os.urandom(100_000))
+        original = bytes(target)
+        got = bytearray(5000)
+        async with anyio.create_task_group() as tg:
+
+            async def peer() -> None:
+                desc = RemoteBuffer.from_bytes(await b.receive())
+                assert desc.length == len(target) and desc.readable and desc.writable
+                n = await b.read(desc, got, offset=1000)
+                assert n == 5000 and bytes(got) == original[1000:6000]
+                await b.write(desc, b"hello", offset=10, notify=True)
+                await b.send(b"done")
+
+            tg.start_soon(peer)
+            async with a.expose(target, read=True, write=True) as remote:
+                await a.send(remote.to_bytes())
+                assert await a.written(remote) == (10, 5)
+                assert await a.receive() == b"done"
+        assert bytes(target) == original[:10] + b"hello" + original[15:]
+
+
+async def test_registered_buffers_move_without_staging(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b):
+        with RegisteredBuffer(1 << 20) as src, RegisteredBuffer(1 << 20) as dst:
+            src[:] = os.urandom(1 << 20)
+            staged = aiordma.memory_stats().staged_bytes
+            async with anyio.create_task_group() as tg:
+
+                async def peer() -> None:
+                    desc = RemoteBuffer.from_bytes(await b.receive())
+                    view = memoryview(dst)
+                    await b.read(desc, view[4096:], offset=4096)  # a slice of registered memory
+                    view.release()
+                    await b.send(b"done")
+
+                tg.start_soon(peer)
+                async with a.expose(src) as remote:
+                    await a.send(remote.to_bytes())
+                    assert await a.receive() == b"done"
+            assert dst[4096:] == src[4096:] and dst[:4096] == bytes(4096)
+            if _expected_transport(kind) == "rdma" and not kind.endswith("checked"):
+                assert aiordma.memory_stats().staged_bytes == staged, "registered memory was staged"
+
+
+async def test_descriptors_are_checked_before_anything_moves(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b), channels(kind) as (c, d):
+        target = bytearray(b"x" * 4096)
+        readonly = bytearray(b"r" * 4096)
+        async with a.expose(target, read=True, write=False) as ro_desc:
+            async with c.expose(readonly, read=True) as other:
+                await a.send(ro_desc.to_bytes())
+                desc = RemoteBuffer.from_bytes(await b.receive())
+                buf = bytearray(16)
+                # access not granted
+                with pytest.raises(RemoteAccessDeniedError):
+                    await b.write(desc, b"nope")
+                # out of range, both ends
+                with pytest.raises(RemoteBoundsError):
+                    await b.read(desc, buf, offset=4090)
+                with pytest.raises(RemoteBoundsError):
+                    await b.read(desc, buf, offset=-1)
+                # another connection's descriptor
+                with pytest.raises(ForeignDescriptorError):
+                    await b.read(other, buf)
+                # a forged one (right token, wrong key)
+                forged = RemoteBuffer(desc.token, desc.id, desc.key ^ 1, desc.length, desc.access, desc.addr, desc.rkey)
+                with pytest.raises(ForeignDescriptorError):
+                    await b.read(forged, buf)
+                # the connection still works after every refusal
+                assert await b.read(desc, buf) == 16 and bytes(buf) == b"x" * 16
+        assert bytes(target) == b"x" * 4096
+        # revoked: the exposure's block has exited
+        with pytest.raises(DescriptorRevokedError):
+            await b.read(desc, buf)
+        await a.send(b"still fine")
+        assert await b.receive() == b"still fine"
+
+
+async def test_revocation_waits_for_operations_in_flight(anyio_backend: Any, kind: str) -> None:
+    """The exposer leaves its block while the peer keeps reading: every read either completes
+    byte-exact or is refused with DescriptorRevokedError -- never by the NIC (on RC that would
+    end the connection): the connection works afterwards, both ways."""
+    async with channels(kind) as (a, b):
+        target = bytearray(os.urandom(1 << 20))
+        got = bytearray(1 << 20)
+        done = []
+        async with anyio.create_task_group() as tg:
+
+            async def peer() -> None:
+                desc = RemoteBuffer.from_bytes(await b.receive())
+                await b.send(b"go")
+                with pytest.raises(DescriptorRevokedError):
+                    while True:
+                        got[:] = bytes(len(got))
+                        await b.read(desc, got)
+                        assert got == target
+                        done.append(1)
+                await b.send(b"after")
+
+            tg.start_soon(peer)
+            async with a.expose(target) as remote:
+                await a.send(remote.to_bytes())
+                assert await a.receive() == b"go"
+                while not done:
+                    await anyio.sleep(0.001)
+            assert await a.receive() == b"after"
+        await a.send(b"still fine")
+        assert await b.receive() == b"still fine"
+
+
+@given(
+    size=st.integers(1, 200_000),
+    data=st.data(),
+)
+@HYPOTHESIS
+async def test_random_ranges_are_byte_exact(anyio_backend: Any, kind: str, size: int, data: st.DataObject) -> None:
+    offset = data.draw(st.integers(0, size - 1))
+    length = data.draw(st.integers(0, size - offset))
+    async with channels(kind) as (a, b):
+        target = bytearray(os.urandom(size))
+        payload = os.urandom(length)
+        async with anyio.create_task_group() as tg:
+
+            async def peer() -> None:
+                desc = RemoteBuffer.from_bytes(await b.receive())
+                got = bytearray(length)
+                assert await b.read(desc, got, offset=offset) == length
+                assert bytes(got) == bytes(target[offset : offset + length])
+                await b.write(desc, payload, offset=offset)
+                await b.send(b"done")
+
+            tg.start_soon(peer)
+            before = bytes(target)
+            async with a.expose(target, read=True, write=True) as remote:
+                await a.send(remote.to_bytes())
+                assert await a.receive() == b"done"
+        assert bytes(target) == before[:offset] + payload + before[offset + length :]
+
+
+async def test_streams_expose_too(anyio_backend: Any) -> None:
+    async with stream_pair("tcp") as (a, b):
+        target = bytearray(b"stream memory")
+        async with a.expose(target, read=True) as remote:
+            await a.send(remote.to_bytes())
+            desc = RemoteBuffer.from_bytes(await b.receive())
+            got = bytearray(len(target))
+            await b.read(desc, got)
+            assert got == target
+
+
+def test_registered_buffer_basics() -> None:
+    before = aiordma.memory_stats()
+    buf = RegisteredBuffer(10_000)
+    view = memoryview(buf)
+    assert len(view) == 10_000 and not view.readonly and bytes(view[:4]) == bytes(4)
+    view.release()
+    assert aiordma.memory_stats().buffers == before.buffers + 1
+    buf.close()
+    buf.close()  # idempotent
+    assert aiordma.memory_stats().buffers == before.buffers
+    arr = bytearray(5000)
+    reg = aiordma.register(arr)
+    with pytest.raises(BufferError):
+        arr.extend(b"x")  # exported: cannot be resized under a registration
+    reg.close()
+    arr.extend(b"x")
+    with pytest.raises(TypeError):
+        aiordma.register(b"read-only")
+    with pytest.raises(ValueError):
+        RegisteredBuffer(0)
+
+
+def test_the_pinned_limit_is_explained() -> None:
+    aiordma.set_pinned_limit(4096)
+    try:
+        from aiordma._memory import reserve_pinned
+
+        with pytest.raises(aiordma.MemlockLimitError) as ei:
+            reserve_pinned(8192)
+        text = str(ei.value)
+        assert "set_pinned_limit" in text and "RLIMIT_MEMLOCK" in text
+    finally:
+        aiordma.set_pinned_limit(None)
