@@ -50,6 +50,7 @@ from ._rdma.mempool import MemlockLimitError
 from ._rdma.config import RdmaBackend, RdmaConfig
 from ._errors import (
     AiordmaError,
+    BufferTooSmallError,
     HandshakeError,
     HandshakeTimeoutError,
     LocalProtocolError,
@@ -89,6 +90,7 @@ __all__ = [
     "RdmaBackend",
     "RdmaConfig",
     "AiordmaError",
+    "BufferTooSmallError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",

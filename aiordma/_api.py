@@ -223,6 +223,15 @@ class Stream(_Endpoint, ByteStream):
         with self._receive_guard:
             return await self._core.receive_bytes(max_bytes)
 
+    async def receive_into(self, buffer: Any) -> int:
+        """Receive at least one and at most ``len(buffer)`` bytes into ``buffer`` (any writable
+        buffer, a :class:`RegisteredBuffer` included); returns the count.  Raises like ``receive``."""
+        view = _remote._byte_view(buffer, writable=True)
+        if not view.nbytes:
+            raise ValueError("receive_into needs a buffer of at least one byte")
+        with self._receive_guard:
+            return await self._core.receive_bytes_into(view)
+
     async def send(self, item: bytes) -> None:
         if not isinstance(item, (bytes, bytearray, memoryview)):
             raise TypeError(f"send() takes bytes, not {type(item).__name__}")
@@ -250,6 +259,13 @@ class Channel(_Endpoint, ObjectStream[bytes]):
 
     def receive(self) -> Coroutine[Any, Any, bytes]:
         return self._core.receive_message()
+
+    async def receive_into(self, buffer: Any) -> int:
+        """Place the next message in ``buffer`` (any writable buffer, a :class:`RegisteredBuffer`
+        included) and return its length.  A message larger than ``buffer`` raises
+        :class:`~aiordma.BufferTooSmallError` (``.needed`` says how large) and stays queued:
+        nothing is lost, the next call gets it.  Raises like ``receive`` otherwise."""
+        return await self._core.receive_message_into(_remote._byte_view(buffer, writable=True))
 
     def send(self, item: bytes) -> Coroutine[Any, Any, None]:
         if not isinstance(item, (bytes, bytearray, memoryview)):

@@ -44,7 +44,7 @@ from typing import Any
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
-from ._errors import HandshakeError, LocalProtocolError, ProtocolError
+from ._errors import BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError
 from ._io import IOBackend, Watch, current_checkpoint
 from ._onesided import OneSided
 from ._protocol import (
@@ -324,6 +324,43 @@ class Core:
         if self.link.needs_consumed:
             self.link.consumed()
         return data
+
+    async def receive_bytes_into(self, view: memoryview) -> int:
+        """Up to ``len(view)`` received stream bytes copied into ``view`` (at least one)."""
+        rbuf = self.rbuf
+        if rbuf:
+            await self.checkpoint()
+        while not rbuf:
+            self.check_receive()
+            await self.link.incoming()
+        n = min(len(rbuf), view.nbytes)
+        with memoryview(rbuf) as mv:
+            view[:n] = mv[:n]
+        del rbuf[:n]
+        if self.link.needs_consumed:
+            self.link.consumed()
+        return n
+
+    async def receive_message_into(self, view: memoryview) -> int:
+        """The next message copied into ``view``; its length.  A message larger than ``view``
+        raises :class:`BufferTooSmallError` and stays first in line."""
+        messages = self.messages
+        if messages:
+            await self.checkpoint()
+        while not messages:
+            if self.closed or self.peer_eof or self.error is not None:
+                self.check_receive()
+            await self.link.incoming()
+        data = messages[0]
+        n = len(data)
+        if n > view.nbytes:
+            raise BufferTooSmallError(n, view.nbytes)
+        messages.popleft()
+        messages.nbytes -= n
+        view[:n] = data
+        if self.link.needs_consumed:
+            self.link.consumed()
+        return n
 
     async def send_data(self, data: bytes | bytearray | memoryview) -> None:
         await self.checkpoint()  # a cancel point and a schedule point, before anything is sent

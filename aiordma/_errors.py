@@ -99,6 +99,15 @@ class RDMAUnavailableError(AiordmaError, ConnectionError):
         self.reason = reason
 
 
+class BufferTooSmallError(AiordmaError, ValueError):
+    """``receive_into``: the next message is larger than the buffer (it stays queued)."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        super().__init__(f"the next message has {needed} bytes, the buffer {available}; it stays queued")
+        self.needed = needed
+        self.available = available
+
+
 class RDMAError(AiordmaError, OSError):
     """A verbs call or a work completion failed.
 

@@ -75,6 +75,11 @@ def _expected_transport(kind: str) -> str:
     return "tcp" if kind in ("memory", "tcp") else "rdma"
 
 
+def _on_the_nic(kind: str) -> bool:
+    """RDMA READ/WRITE work requests (the native path); else the peer serves MEMORY frames."""
+    return _expected_transport(kind) == "rdma" and not kind.endswith("checked")
+
+
 async def test_read_and_write_an_exposed_buffer(anyio_backend: Any, kind: str) -> None:
     async with channels(kind) as (a, b):
         assert a.transport == _expected_transport(kind)
@@ -97,6 +102,11 @@ async def test_read_and_write_an_exposed_buffer(anyio_backend: Any, kind: str) -
                 assert await a.written(remote) == (10, 5)
                 assert await a.receive() == b"done"
         assert bytes(target) == original[:10] + b"hello" + original[15:]
+        served = a._core.memory.ops_served  # operations this side's aiordma served itself
+        if _on_the_nic(kind):
+            assert (remote.addr, served) != (0, 0) and served == 0, "the NIC should have moved the bytes"
+        else:
+            assert remote.rkey == 0 and served == 2
 
 
 async def test_registered_buffers_move_without_staging(anyio_backend: Any, kind: str) -> None:
@@ -118,7 +128,7 @@ async def test_registered_buffers_move_without_staging(anyio_backend: Any, kind:
                     await a.send(remote.to_bytes())
                     assert await a.receive() == b"done"
             assert dst[4096:] == src[4096:] and dst[:4096] == bytes(4096)
-            if _expected_transport(kind) == "rdma" and not kind.endswith("checked"):
+            if _on_the_nic(kind):
                 assert aiordma.memory_stats().staged_bytes == staged, "registered memory was staged"
 
 
@@ -163,7 +173,7 @@ async def test_revocation_waits_for_operations_in_flight(anyio_backend: Any, kin
     async with channels(kind) as (a, b):
         target = bytearray(os.urandom(1 << 20))
         got = bytearray(1 << 20)
-        done = []
+        first = anyio.Event()
         async with anyio.create_task_group() as tg:
 
             async def peer() -> None:
@@ -174,18 +184,71 @@ async def test_revocation_waits_for_operations_in_flight(anyio_backend: Any, kin
                         got[:] = bytes(len(got))
                         await b.read(desc, got)
                         assert got == target
-                        done.append(1)
+                        first.set()
                 await b.send(b"after")
 
             tg.start_soon(peer)
             async with a.expose(target) as remote:
                 await a.send(remote.to_bytes())
                 assert await a.receive() == b"go"
-                while not done:
-                    await anyio.sleep(0.001)
+                await first.wait()
             assert await a.receive() == b"after"
         await a.send(b"still fine")
         assert await b.receive() == b"still fine"
+
+
+@pytest.mark.parametrize("write", [False, True])
+async def test_a_cancelled_operation_never_leaves_the_nic_with_the_buffer(anyio_backend: Any, kind: str, write: bool) -> None:
+    """Cancel a read / write after 0, 1, 2, ... scheduler rounds (every await it makes): when the
+    cancelled call returns, its registered buffer is not in use any more (it can be closed), and
+    the connection goes on working."""
+    async with channels(kind) as (a, b):
+        target = bytearray(1 << 18)
+        async with a.expose(target, read=True, write=True) as remote:
+            await a.send(remote.to_bytes())
+            desc = RemoteBuffer.from_bytes(await b.receive())
+            outcomes = set()
+            for rounds in range(12):
+                local = RegisteredBuffer(1 << 18)
+                try:
+                    with anyio.CancelScope() as scope:
+
+                        async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
+                            for _ in range(rounds):
+                                await anyio.lowlevel.checkpoint()
+                            scope.cancel()
+
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(cancel_later)
+                            if write:
+                                await b.write(desc, local)
+                            else:
+                                await b.read(desc, local)
+                            outcomes.add("done")
+                    if scope.cancelled_caught:
+                        outcomes.add("cancelled")
+                    link = b._core.link
+                    assert not getattr(link, "os_inflight", ()), "the call returned while its WR was still posted"
+                    assert not local.busy, "a cancelled operation returned while the NIC may use its buffer"
+                finally:
+                    local.close()  # raises BufferBusyError if it is still the device's
+            assert "cancelled" in outcomes
+            got = bytearray(16)
+            assert await b.read(desc, got) == 16  # the connection works on
+        await a.send(b"ok")
+        assert await b.receive() == b"ok"
+
+
+async def test_exposed_or_busy_registered_memory_cannot_be_closed(anyio_backend: Any) -> None:
+    async with channels("sim") as (a, b):
+        buf = RegisteredBuffer(4096)
+        async with a.expose(buf) as remote:
+            with pytest.raises(aiordma.BufferBusyError):
+                buf.close()
+            await a.send(remote.to_bytes())
+            desc = RemoteBuffer.from_bytes(await b.receive())
+            assert await b.read(desc, bytearray(10)) == 10
+        buf.close()
 
 
 @given(
@@ -261,3 +324,33 @@ def test_the_pinned_limit_is_explained() -> None:
         assert "set_pinned_limit" in text and "RLIMIT_MEMLOCK" in text
     finally:
         aiordma.set_pinned_limit(None)
+
+
+async def test_receive_into_places_messages_and_keeps_a_too_large_one(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b):
+        big = os.urandom(50_000)
+        await a.send(b"small")
+        await a.send(big)
+        await a.send(b"")
+        with RegisteredBuffer(1 << 16) as reg:
+            assert await b.receive_into(reg) == 5 and reg[:5] == b"small"
+            tiny = bytearray(100)
+            with pytest.raises(aiordma.BufferTooSmallError) as ei:
+                await b.receive_into(tiny)
+            assert ei.value.needed == len(big)
+            assert await b.receive_into(reg) == len(big) and reg[: len(big)] == big  # still there
+            assert await b.receive_into(tiny) == 0  # the empty message
+
+
+async def test_stream_receive_into(anyio_backend: Any, kind: str) -> None:
+    base, backend = _pair_args(kind)
+    async with stream_pair(base, rdma_backend=backend) as (a, b):  # type: ignore[arg-type]
+        data = os.urandom(300_000)
+        await a.send(data)
+        got = bytearray()
+        buf = bytearray(70_000)
+        while len(got) < len(data):
+            n = await b.receive_into(buf)
+            assert 1 <= n <= len(buf)
+            got += buf[:n]
+        assert got == data

@@ -128,6 +128,8 @@ class RdmaLink(Link):
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
         self._sq_wanted = False  # armed for send completions because posting waits for room (native)
         self._os_done: dict[int, int] = {}  # one-sided WRs completed: seq -> wc status (native)
+        #: one-sided WRs posted whose completion nobody took yet (the device's: see rdma())
+        self.os_inflight: set[int] = set()
         self._os_waiting = 0
         self._exposed: dict[int, tuple[Any, int]] = {}  # id(region) -> (exposed region, pinned bytes)
 
@@ -773,6 +775,7 @@ class RdmaLink(Link):
                 if seq:
                     break
                 await self._wait()  # the send queue is full: a send completion makes room
+            self.os_inflight.add(seq)
             try:
                 while seq not in self._os_done and self.qp is not None:
                     await self._wait()
@@ -782,9 +785,11 @@ class RdmaLink(Link):
                     while seq not in self._os_done and self.qp is not None:
                         await self._wait()
                 self._os_done.pop(seq, None)
+                self.os_inflight.discard(seq)
                 raise
         finally:
             self._unwant_sends(wanted)
+        self.os_inflight.discard(seq)
         status = self._os_done.pop(seq, None)
         if status is None:
             raise BrokenResourceError("the RDMA connection ended before the operation completed")
