@@ -44,7 +44,7 @@ from typing import Any
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
-from ._errors import BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError
+from ._errors import BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._io import IOBackend, Watch, current_checkpoint
 from ._onesided import OneSided
 from ._protocol import (
@@ -180,6 +180,8 @@ class Core:
         self.checkpoint: Callable[[], Awaitable[None]] = current_checkpoint()
         #: one-sided memory (created on first use, see aiordma._onesided)
         self._memory: OneSided | None = None
+        #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
+        self.rndv_min = 1 << 62
         link.attach(self)
 
     @property
@@ -188,6 +190,7 @@ class Core:
         if mem is None:
             proto = self.proto
             mem = self._memory = OneSided(max_out=proto.peer_max_frame, max_in=proto.max_frame_size)
+            mem.max_message = proto.max_message_size
         return mem
 
     def _on_memory(self, payload: bytes) -> None:
@@ -198,6 +201,18 @@ class Core:
             return
         for answer in answers:
             self.send_memory_nowait(answer)
+        mem = self._memory
+        assert mem is not None
+        if mem.rndv_arrived:
+            arrived, mem.rndv_arrived = mem.rndv_arrived, []
+            if not self.link.one_sided_rdma or self.proto.mode is not Mode.MESSAGES:
+                self.on_error(RemoteProtocolError("a rendezvous message on a connection that cannot READ it"))
+                return
+            self.messages.extend(arrived)  # type: ignore[arg-type]  # (in their place among the messages)
+        if mem.rndv_done:
+            done, mem.rndv_done = mem.rndv_done, []
+            for mid in done:
+                self.link.rndv_release(mid)  # type: ignore[attr-defined]
 
     def send_memory_nowait(self, payload: bytes) -> None:
         """Send a MEMORY frame now (from a callback: an answer, a REVOKED)."""
@@ -320,6 +335,10 @@ class Core:
                 self.check_receive()
             await self.link.incoming()
         data = messages.popleft()
+        if data.__class__ is not bytes:  # a rendezvous: READ it now
+            from ._remote import fetch_rendezvous
+
+            return await fetch_rendezvous(self, data)  # type: ignore[return-value]
         messages.nbytes -= len(data)
         if self.link.needs_consumed:
             self.link.consumed()
@@ -352,6 +371,14 @@ class Core:
                 self.check_receive()
             await self.link.incoming()
         data = messages[0]
+        if data.__class__ is not bytes:  # a rendezvous: READ it into the caller's buffer
+            rv: Any = data
+            if rv.length > view.nbytes:
+                raise BufferTooSmallError(rv.length, view.nbytes)
+            messages.popleft()
+            from ._remote import fetch_rendezvous
+
+            return await fetch_rendezvous(self, rv, view)  # type: ignore[return-value]
         n = len(data)
         if n > view.nbytes:
             raise BufferTooSmallError(n, view.nbytes)
@@ -367,6 +394,11 @@ class Core:
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
         if self.proto.mode is Mode.MESSAGES:
+            if len(data) >= self.rndv_min:
+                from ._remote import send_rendezvous
+
+                await send_rendezvous(self, data)
+                return
             chunks = self.proto.send_message(data)
         else:
             chunks = self.proto.send_data(data)

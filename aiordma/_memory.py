@@ -28,7 +28,8 @@ whose allocator reuses freed addresses for new objects -- a cached
 registration would then name pages that hold someone else's data.
 
 Pinned bytes are limited per process (:func:`set_pinned_limit`; by default
-the RLIMIT_MEMLOCK soft limit when it is finite, else half the RAM): beyond
+the RLIMIT_MEMLOCK soft limit when it is finite and applies -- a process with
+CAP_IPC_LOCK, as root, is not bound by it -- else half the RAM): beyond
 it, registering raises :class:`~aiordma.MemlockLimitError`, whose message
 says in plain words what the limit is and how to raise it.
 
@@ -64,9 +65,21 @@ class BufferBusyError(AiordmaError):
     """The memory is in use by the NIC (an operation in flight, a live exposure)."""
 
 
+def _has_ipc_lock() -> bool:
+    """Whether this process may pin memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK, as root has)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 14 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _default_limit() -> int:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY:
+    if soft != resource.RLIM_INFINITY and not _has_ipc_lock():
         return int(soft)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2

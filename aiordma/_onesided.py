@@ -63,6 +63,7 @@ __all__ = [
     "RemoteAccessDeniedError",
     "OneSided",
     "Exposure",
+    "Rendezvous",
 ]
 
 READ: Final = 1
@@ -98,6 +99,8 @@ class _Op(enum.IntEnum):
     WRITE = 6
     WRITE_DONE = 7
     WRITTEN = 8
+    RNDV = 9
+    RNDV_DONE = 10
 
 
 class Status(enum.IntEnum):
@@ -123,6 +126,7 @@ _READ: Final = struct.Struct("!IIQQI")
 _STATUS: Final = struct.Struct("!IB")
 _WRITE: Final = struct.Struct("!IIQQ")
 _WRITTEN: Final = struct.Struct("!IQQ")
+_RNDV: Final = struct.Struct("!IQQI")
 _DESCRIPTOR: Final = struct.Struct("!4sBIQQQQI")
 _MAGIC: Final = b"ARB1"
 _MAX_LENGTH: Final = 1 << 62
@@ -193,6 +197,16 @@ class Exposure:
         self.region: object = None  # the RDMA registration made for it (the link's)
 
 
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """A message the peer staged for us to READ (it sits in the Core's message queue in its place)."""
+
+    mid: int
+    length: int
+    addr: int
+    rkey: int
+
+
 class _Remote:
     """The caller's record of an exposure the peer announced."""
 
@@ -228,6 +242,13 @@ class OneSided:
         self._ended: set[int] = set()  # our exposures that ended before the peer's REVOKED came
         self.ops_served = 0
         self.bytes_served = 0
+        #: rendezvous: messages we staged for the peer (mid -> length), and what came back or in
+        self.max_message = 1 << 30
+        self.rndv_out: dict[int, int] = {}
+        self.rndv_done: list[int] = []
+        self.rndv_arrived: list[Rendezvous] = []
+        self._rndv_in: set[int] = set()
+        self._next_mid = 1
 
     # -- the exposer -------------------------------------------------------------------------
 
@@ -344,6 +365,21 @@ class OneSided:
         self.results[op] = None
         return op
 
+    # -- rendezvous (large messages, RDMA) ----------------------------------------------------
+
+    def rendezvous(self, length: int, addr: int, rkey: int) -> tuple[int, bytes]:
+        """Announce a staged message of ``length`` bytes at ``[addr, rkey]``; the region stays the
+        peer's to READ until its RNDV_DONE."""
+        mid = self._next_mid
+        self._next_mid = mid + 1 if mid < 0xFFFFFFFF else 1
+        self.rndv_out[mid] = length
+        return mid, _U8.pack(_Op.RNDV) + _RNDV.pack(mid, length, addr, rkey)
+
+    def rendezvous_done(self, rv: Rendezvous) -> bytes:
+        """We READ the message (or gave up on it): the sender may reuse its region."""
+        self._rndv_in.discard(rv.mid)
+        return _U8.pack(_Op.RNDV_DONE) + _ID.pack(rv.mid)
+
     # -- input -------------------------------------------------------------------------------
 
     def receive(self, payload: bytes) -> list[bytes]:
@@ -388,6 +424,21 @@ class OneSided:
                 raise RemoteProtocolError(f"REVOKED for exposure #{id_}, which is not being revoked")
             self.end(exp)
             self._ended.discard(id_)
+            return []
+        if op == _Op.RNDV:
+            mid, length, addr, rkey = self._fixed(_RNDV, body, "RNDV")
+            if length > self.max_message:
+                raise RemoteProtocolError(f"rendezvous message of {length} bytes exceeds the limit {self.max_message}")
+            if mid in self._rndv_in:
+                raise RemoteProtocolError(f"rendezvous message {mid} announced twice")
+            self._rndv_in.add(mid)
+            self.rndv_arrived.append(Rendezvous(mid, length, addr, rkey))
+            return []
+        if op == _Op.RNDV_DONE:
+            (mid,) = self._fixed(_ID, body, "RNDV_DONE")
+            if self.rndv_out.pop(mid, None) is None:
+                raise RemoteProtocolError(f"RNDV_DONE for message {mid}, which is not staged")
+            self.rndv_done.append(mid)
             return []
         if op == _Op.WRITTEN:
             id_, offset, length = self._fixed(_WRITTEN, body, "WRITTEN")

@@ -590,6 +590,10 @@ class Connection:
     def peer_max_frame(self) -> int:
         return self._peer_max_frame
 
+    @property
+    def peer_max_message(self) -> int:
+        return self._peer_max_message
+
     def send_eof(self) -> bytes:
         """Half-close: we send no more data; the peer may still send."""
         self._check_alive()

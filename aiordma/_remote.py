@@ -230,3 +230,54 @@ async def written(core: Core, remote: RemoteBuffer) -> tuple[int, int]:
         core.check_receive()
         await core.link.incoming()
     return exp.notices.popleft()
+
+
+# -- rendezvous: large messages by RDMA READ (the native path) ------------------------------------
+
+
+async def send_rendezvous(core: Core, data: Any) -> None:
+    """Stage ``data`` in a region the peer may READ and announce it in the message's place.
+
+    One copy (into the staging region; the caller's buffer is free when this returns); the
+    receiver READs it straight into its buffer.  The region is the peer's until its RNDV_DONE;
+    at most ``RdmaConfig.rendezvous_inflight`` bytes are staged at once (this waits beyond)."""
+    view = _byte_view(data, writable=False)
+    n = view.nbytes
+    proto = core.proto
+    if n > proto.peer_max_message:
+        from ._errors import LocalProtocolError
+
+        raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
+    link: Any = core.link
+    while link.rndv_staged and link.rndv_staged + n > link.rndv_limit:
+        core.check_send()
+        await link.incoming()
+    region = link.rndv_take(n)
+    stage = region.view(0, n)
+    try:
+        stage[:] = view
+    finally:
+        stage.release()
+    mid, payload = core.memory.rendezvous(n, int(region.addr), int(region.rkey))
+    link.rndv_hold(mid, region)
+    await link.send([proto.send_memory(payload)])
+
+
+async def fetch_rendezvous(core: Core, rv: Any, view: memoryview | None = None) -> bytes | int:
+    """READ a rendezvous message (into ``view``, else into new bytes), then tell the sender.
+
+    Cancelled (or failed) before it completed, the message goes back to the head of the queue:
+    nothing is lost, the next receive READs it again (the sender's region stays staged)."""
+    link: Any = core.link
+    try:
+        if view is None:
+            data: bytes | int = await link.rdma_read_bytes(rv.length, rv.addr, rv.rkey)
+        else:
+            await link.rdma(False, view[: rv.length], rv.addr, rv.rkey)
+            data = rv.length
+    except BaseException:
+        if core.error is None and not core.closed:
+            core.messages.appendleft(rv)
+        raise
+    core.send_memory_nowait(core.memory.rendezvous_done(rv))
+    return data

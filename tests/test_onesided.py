@@ -354,3 +354,79 @@ async def test_stream_receive_into(anyio_backend: Any, kind: str) -> None:
             assert 1 <= n <= len(buf)
             got += buf[:n]
         assert got == data
+
+
+# -- rendezvous: large messages by RDMA READ ---------------------------------------------------
+
+
+async def test_large_messages_go_by_rendezvous_in_order(anyio_backend: Any, kind: str) -> None:
+    """Messages around the rendezvous threshold, interleaved with small ones, arrive whole and in
+    order; on the native path the large ones went by READ (no 64 KiB SENDs)."""
+    async with channels(kind) as (a, b):
+        threshold = 256 << 10
+        sizes = [10, threshold - 1, threshold, 3, threshold + 1, 2 << 20, 0, 5 << 20, 7]
+        msgs = [os.urandom(n) for n in sizes]
+        async with anyio.create_task_group() as tg:
+
+            async def sender() -> None:
+                for m in msgs:
+                    await a.send(m)
+
+            tg.start_soon(sender)
+            for m in msgs:
+                assert await b.receive() == m
+        staged_by_rendezvous = a._core.memory._next_mid - 1
+        if _on_the_nic(kind):
+            assert staged_by_rendezvous == sum(1 for n in sizes if n >= threshold)
+        else:
+            assert staged_by_rendezvous == 0
+
+
+async def test_receive_into_registered_memory_takes_a_rendezvous_without_copies(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b), anyio.create_task_group() as tg:
+        big = os.urandom(3 << 20)
+
+        async def sender() -> None:  # (3 MiB is more than the credit window of a SEND path)
+            await a.send(big)
+            await a.send(b"after")
+
+        tg.start_soon(sender)
+        with RegisteredBuffer(4 << 20) as reg:
+            with pytest.raises(aiordma.BufferTooSmallError):
+                await b.receive_into(bytearray(1 << 20))  # too small: it stays queued
+            staged = aiordma.memory_stats().staged_bytes
+            assert await b.receive_into(reg) == len(big)
+            assert reg[: len(big)] == big
+            if _on_the_nic(kind):
+                assert aiordma.memory_stats().staged_bytes == staged, "the READ was staged"
+            assert await b.receive() == b"after"
+
+
+async def test_a_cancelled_receive_of_a_rendezvous_loses_nothing(anyio_backend: Any, kind: str) -> None:
+    async with channels(kind) as (a, b), anyio.create_task_group() as senders:
+        big = os.urandom(1 << 20)
+
+        async def sender() -> None:
+            for _ in range(6):
+                await a.send(big)
+
+        senders.start_soon(sender)
+        cancelled = 0
+        for rounds in range(6):
+            with anyio.CancelScope() as scope:
+
+                async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
+                    for _ in range(rounds):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_later)
+                    assert await b.receive() == big
+                    tg.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                cancelled += 1
+                assert await b.receive() == big  # still there, whole
+        assert cancelled
+        link = a._core.link
+        assert getattr(link, "rndv_staged", 0) == 0  # every staged region came back

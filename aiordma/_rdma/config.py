@@ -57,6 +57,13 @@ class RdmaConfig:
     #: send messages up to this many bytes inline (copied into the work request: no send slot,
     #: no DMA read); the QP may grant less, and what it granted is what is used
     max_inline: int = 256
+    #: messages of at least this many bytes go by rendezvous on the native path: the sender
+    #: stages them in a registered region the peer may READ, the receiver READs them straight into
+    #: its buffer (``receive_into``: zero copy into registered memory) -- no 64 KiB SENDs.
+    #: 0: never.  (See docs/architecture.md and the figures in docs/benchmarks.md.)
+    rendezvous: int = 256 << 10
+    #: rendezvous bytes a connection may have staged for its peer at once (a send waits beyond)
+    rendezvous_inflight: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.window <= 4096:
@@ -73,6 +80,10 @@ class RdmaConfig:
             raise ValueError(f"poll must be one of {', '.join(POLL_MODES)}, not {self.poll!r}")
         if not 0 <= self.max_inline <= 1024:
             raise ValueError("max_inline must be between 0 and 1024 bytes")
+        if self.rendezvous and self.rendezvous < 4096:
+            raise ValueError("rendezvous must be 0 (off) or at least 4096 bytes")
+        if self.rendezvous_inflight < 1:
+            raise ValueError("rendezvous_inflight must be positive")
         for name in ("spin_window", "busy_window", "spin_budget"):
             if not 0 <= getattr(self, name) <= 10.0:
                 raise ValueError(f"{name} must be between 0 and 10 seconds")

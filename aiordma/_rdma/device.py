@@ -38,8 +38,9 @@ log = logging.getLogger("aiordma")
 
 #: Completion queue entries asked for per device (capped by the device's max_cqe).
 CQ_ENTRIES = 16384
-#: Registered regions kept for reuse per device, at most.
+#: Registered regions kept for reuse per device, at most (count and bytes).
 REGION_CACHE = 16
+REGION_CACHE_BYTES = 256 << 20
 
 
 class VerbsProvider(Protocol):
@@ -167,7 +168,8 @@ class Device:
             mr.close()
             return
         cached = self._regions.setdefault(mr.length, [])
-        if sum(len(v) for v in self._regions.values()) < REGION_CACHE:
+        regions = [r for v in self._regions.values() for r in v]
+        if len(regions) < REGION_CACHE and sum(int(r.length) for r in regions) + mr.length <= REGION_CACHE_BYTES:
             cached.append(mr)
         else:
             mr.close()

@@ -71,6 +71,8 @@ _EVENTS_BESIDES_DATA = ~(EVT_DATA | EVT_ROOM)
 #: memory outside any registration
 MAX_RDMA_MESSAGE = 1 << 30
 STAGE = 4 << 20
+#: a rendezvous message up to this size is READ into one staging region (larger: in STAGE pieces)
+STAGE_BYTES_MAX = 64 << 20
 
 
 def _address(link: Link, attribute: Any) -> str | None:
@@ -132,6 +134,11 @@ class RdmaLink(Link):
         self.os_inflight: set[int] = set()
         self._os_waiting = 0
         self._exposed: dict[int, tuple[Any, int]] = {}  # id(region) -> (exposed region, pinned bytes)
+        # rendezvous: regions the peer may READ (this connection's only), staged or free
+        self._rndv_held: dict[int, Any] = {}
+        self._rndv_free: dict[int, list[Any]] = {}
+        self.rndv_staged = 0
+        self.rndv_limit = backend.config.rendezvous_inflight
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -306,6 +313,8 @@ class RdmaLink(Link):
         core.link = self
         core.transport = "rdma"
         core.fallback_reason = ""
+        if self._native and self.config.rendezvous:
+            core.rndv_min = self.config.rendezvous
         self._liveness = control.hand_over(self.io, self._on_control_lost)
         if self._native:
             early, self._early = self._early, []
@@ -760,6 +769,74 @@ class RdmaLink(Link):
             if self.qp is not None or self._qp_gone:
                 device.give_region(region)  # the op completed (or the QP is gone): reusable
 
+    # rendezvous (see aiordma._remote.send_rendezvous) --
+
+    def rndv_take(self, n: int) -> Any:
+        """A region of at least ``n`` bytes the peer may READ (sizes are powers of two, reused)."""
+        size = max(64 << 10, 1 << max(0, n - 1).bit_length())
+        free = self._rndv_free.get(size)
+        if free:
+            return free.pop()
+        device = self.device
+        if device is None or device.closed:
+            raise BrokenResourceError("the RDMA connection is gone")
+        reserve_pinned(size)
+        try:
+            return device.pd.reg_mr(size, Access.LOCAL_WRITE | Access.REMOTE_READ)
+        except BaseException:
+            release_pinned(size)
+            raise
+
+    def rndv_hold(self, mid: int, region: Any) -> None:
+        self._rndv_held[mid] = region
+        self.rndv_staged += int(region.length)
+
+    def rndv_release(self, mid: int) -> None:
+        """The peer READ message ``mid`` (its RNDV_DONE): the region may be reused."""
+        region = self._rndv_held.pop(mid, None)
+        if region is None:
+            return
+        self.rndv_staged -= int(region.length)
+        cached = sum(int(r.length) for rs in self._rndv_free.values() for r in rs)
+        if cached + int(region.length) <= self.rndv_limit:
+            self._rndv_free.setdefault(int(region.length), []).append(region)
+        else:
+            self._close_rndv(region)
+        self._wake_all()  # a sender may wait for room
+
+    def _close_rndv(self, region: Any) -> None:
+        n = int(region.length)
+        try:
+            region.close()
+        finally:
+            release_pinned(n)
+
+    async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
+        """RDMA READ ``n`` bytes into a staging region and return them (one copy)."""
+        if not n:
+            await self.core.checkpoint()
+            return b""
+        device = self.device
+        if device is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        if n > STAGE_BYTES_MAX:
+            buf = bytearray(n)
+            await self.rdma(False, memoryview(buf), raddr, rkey)
+            return bytes(buf)
+        size = max(64 << 10, 1 << (n - 1).bit_length())
+        region = device.take_region(size)
+        try:
+            await self._one_sided(False, int(region.addr), n, int(region.lkey), raddr, rkey)
+            stage = region.view(0, n)
+            try:
+                count_staged(n)
+                return bytes(stage)
+            finally:
+                stage.release()
+        finally:
+            if self.qp is not None or self._qp_gone:
+                device.give_region(region)
+
     @property
     def _qp_gone(self) -> bool:
         return self.qp is None and self.session is not None
@@ -915,6 +992,11 @@ class RdmaLink(Link):
         if qp_gone:
             for region, _n in list(self._exposed.values()):
                 attempt(partial(self.release_region, region))  # (an exposure still open: revoked here)
+            for region in [*self._rndv_held.values(), *(r for rs in self._rndv_free.values() for r in rs)]:
+                attempt(partial(self._close_rndv, region))
+            self._rndv_held.clear()
+            self._rndv_free.clear()
+            self.rndv_staged = 0
         self._wake_all()  # one-sided operations waiting for a completion: the QP is gone
         if device is not None:
             for mr in (self.send_mr, self.recv_mr):
