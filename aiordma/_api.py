@@ -29,6 +29,7 @@ from anyio.streams.tls import TLSListener
 from . import _remote
 from ._attributes import TransportAttribute
 from ._core import Core, Link
+from ._memory import RegisteredMemory
 from ._onesided import RemoteBuffer
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._links import AsyncioLink, StreamLink
@@ -118,6 +119,13 @@ class _Guard:
 
     def __exit__(self, *exc: object) -> None:
         self._busy = False
+
+
+def _registered_view(item: Any) -> Any:
+    """``send`` also takes registered memory (a RegisteredBuffer, a register() handle)."""
+    if isinstance(item, RegisteredMemory):
+        return item.view
+    raise TypeError(f"send() takes bytes, not {type(item).__name__}")
 
 
 class _Endpoint:
@@ -234,7 +242,7 @@ class Stream(_Endpoint, ByteStream):
 
     async def send(self, item: bytes) -> None:
         if not isinstance(item, (bytes, bytearray, memoryview)):
-            raise TypeError(f"send() takes bytes, not {type(item).__name__}")
+            item = _registered_view(item)
         if not item:
             await self._core.checkpoint()
             self._core.check_send()
@@ -269,7 +277,7 @@ class Channel(_Endpoint, ObjectStream[bytes]):
 
     def send(self, item: bytes) -> Coroutine[Any, Any, None]:
         if not isinstance(item, (bytes, bytearray, memoryview)):
-            raise TypeError(f"send() takes bytes, not {type(item).__name__}")
+            item = _registered_view(item)
         return self._core.send_data(item)
 
 

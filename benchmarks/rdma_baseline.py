@@ -96,9 +96,10 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return out or ""
 
 
-def run_pair(tool: str, args: argparse.Namespace, size: int, iterations: int, port: int) -> Result:
+def run_pair(tool: str, args: argparse.Namespace, size: int, iterations: int, port: int,
+             extra: tuple[str, ...] = ()) -> Result:
     common = [tool, "-d", args.device, "-i", "1", "-x", str(args.gid_index), "-s", str(size),
-              "-n", str(iterations), "-F", "-p", str(port)]
+              "-n", str(iterations), "-F", "-p", str(port), *extra]
     t0 = time.monotonic()
     server = subprocess.Popen(common, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
