@@ -69,6 +69,8 @@ _OPEN = Half.OPEN
 #: A push link stops reading from the socket when this many received bytes
 #: wait in the Core, and reads again below a quarter of it.
 RECEIVE_HIGH_WATER = 1 << 20
+#: The largest piece of a byte stream one rendezvous carries (a larger write is split).
+STREAM_RENDEZVOUS_MAX = 64 << 20
 
 
 class Link(abc.ABC):
@@ -190,7 +192,7 @@ class Core:
         if mem is None:
             proto = self.proto
             mem = self._memory = OneSided(max_out=proto.peer_max_frame, max_in=proto.max_frame_size)
-            mem.max_message = proto.max_message_size
+            mem.max_message = proto.max_message_size if proto.mode is Mode.MESSAGES else STREAM_RENDEZVOUS_MAX
         return mem
 
     def _on_memory(self, payload: bytes) -> None:
@@ -205,10 +207,16 @@ class Core:
         assert mem is not None
         if mem.rndv_arrived:
             arrived, mem.rndv_arrived = mem.rndv_arrived, []
-            if not self.link.one_sided_rdma or self.proto.mode is not Mode.MESSAGES:
+            if not self.link.one_sided_rdma:
                 self.on_error(RemoteProtocolError("a rendezvous message on a connection that cannot READ it"))
                 return
-            self.messages.extend(arrived)  # type: ignore[arg-type]  # (in their place among the messages)
+            if self.proto.mode is Mode.MESSAGES:
+                self.messages.extend(arrived)  # type: ignore[arg-type]  # (in their place)
+            else:
+                # (the protocol paused after it: one at a time; the link READs it into rbuf and
+                # resumes the protocol, see resume_after_rendezvous)
+                for rv in arrived:
+                    self.link.stream_fetch(rv)  # type: ignore[attr-defined]
         if mem.rndv_done:
             done, mem.rndv_done = mem.rndv_done, []
             for mid in done:
@@ -253,6 +261,17 @@ class Core:
             self.on_error(exc)
         else:
             if events:  # (data and messages went to the sinks)
+                self.on_events(events)
+
+    def resume_after_rendezvous(self) -> None:
+        """A byte stream's rendezvous bytes were appended to ``rbuf``: parse what waited behind them."""
+        try:
+            events = self.proto.resume()
+        except (ProtocolError, HandshakeError) as exc:
+            self.on_events(exc.pending_events)
+            self.on_error(exc)
+        else:
+            if events:
                 self.on_events(events)
 
     def feed_eof(self, exc: BaseException | None = None) -> None:
@@ -401,6 +420,11 @@ class Core:
                 return
             chunks = self.proto.send_message(data)
         else:
+            if len(data) >= self.rndv_min:
+                from ._remote import send_rendezvous
+
+                await send_rendezvous(self, data)
+                return
             chunks = self.proto.send_data(data)
         if chunks:
             await self.link.send(chunks)

@@ -232,6 +232,8 @@ _pack_u64: Final = struct.Struct("!Q").pack
 _DATA_HEADER: Final = _DATA_WORD << 32
 #: ... and of a valid MESSAGE header
 _MESSAGE_WORD: Final = _T_MESSAGE << 24
+#: the op byte of a rendezvous MEMORY frame (aiordma._onesided)
+_MEMORY_RNDV: Final = 9
 
 
 class MessageSink(deque[bytes]):
@@ -434,6 +436,8 @@ class Connection:
         self._magic_left = len(MAGIC)
         self._magic_sent = False
         self._data_left = 0  # payload bytes left in the current DATA frame
+        #: a byte stream's rendezvous is being fetched: bytes after it wait unparsed (see resume)
+        self.paused = False
         #: where DATA payloads go instead of Data events (see the class docs)
         self.data_sink: bytearray | None = None
         #: where whole MESSAGE payloads go in message mode (no Message events for them)
@@ -577,6 +581,11 @@ class Connection:
             return [_JOIN((_pack_header(_T_MESSAGE, 0, 0, n), data))]
         return [_pack_header(_T_MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
 
+    def resume(self) -> list[Event]:
+        """The stream's rendezvous bytes are in: parse what waited behind it."""
+        self.paused = False
+        return self._parse()
+
     def send_memory(self, payload: bytes) -> bytes:
         """A MEMORY frame (one-sided memory; see :mod:`aiordma._onesided`)."""
         self._check_alive()
@@ -637,7 +646,7 @@ class Connection:
         sink = self.data_sink
         # the fast path (see _sink_frames, inlined here: this runs for every
         # read of a TCP connection); state OPEN implies no error
-        if sink is not None and self.state is _S_OPEN and self.recv_half is _H_OPEN and self.mode is _M_STREAM:
+        if sink is not None and self.state is _S_OPEN and self.recv_half is _H_OPEN and self.mode is _M_STREAM and not self.paused:
             view = self._view
             pos = self._start
             if self._data_left:
@@ -748,6 +757,7 @@ class Connection:
             and self.state is _S_OPEN
             and self.recv_half is _H_OPEN
             and self.mode is _M_STREAM
+            and not self.paused
         ):
             # nothing buffered: decode DATA frames straight from the caller's
             # bytes, and buffer only what is left (a non-DATA frame, a cut header)
@@ -854,6 +864,8 @@ class Connection:
     def _parse(self) -> list[Event]:
         self._check_alive()
         events: list[Event] = []
+        if self.paused:
+            return events
         view = self._view
         sink = self.data_sink
         pos = self._start
@@ -907,6 +919,8 @@ class Connection:
                 event = self._handle_frame(FrameType(ftype), payload)
                 if event is not None:
                     events.append(event)
+                if self.paused:
+                    break
         except (RemoteProtocolError, HandshakeError) as err:
             if self._error is None:
                 self._fail(err)
@@ -976,6 +990,10 @@ class Connection:
         if ftype is FrameType.MEMORY:
             if self.state is not State.OPEN:
                 raise RemoteProtocolError(f"MEMORY frame in state {self.state.value}")
+            if self.mode is Mode.STREAM and len(payload) and payload[0] == _MEMORY_RNDV:
+                # a stream's rendezvous: its bytes come before everything after it, so nothing
+                # after it is parsed until they are in (resume())
+                self.paused = True
             return MemoryFrame(bytes(payload))
         if ftype is FrameType.EOF:
             if self.state is not State.OPEN:

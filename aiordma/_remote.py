@@ -23,7 +23,8 @@ from typing import Any
 
 import anyio
 
-from ._core import Core
+from ._core import STREAM_RENDEZVOUS_MAX, Core
+from ._protocol import Mode
 from ._memory import RegisteredMemory
 from ._onesided import READ, WRITE, Exposure, RemoteBuffer
 
@@ -244,10 +245,23 @@ async def send_rendezvous(core: Core, data: Any) -> None:
     view = _byte_view(data, writable=False)
     n = view.nbytes
     proto = core.proto
+    if proto.mode is not Mode.MESSAGES:
+        # a byte stream: in pieces of half the staging budget (so that the sender waits for the
+        # reader as over a socket), at most STREAM_RENDEZVOUS_MAX (what the receiver accepts)
+        piece = max(core.rndv_min, min(STREAM_RENDEZVOUS_MAX, core.link.rndv_limit // 2))  # type: ignore[attr-defined]
+        for pos in range(0, n, piece):
+            await _stage_and_announce(core, view[pos : pos + piece])
+        return
     if n > proto.peer_max_message:
         from ._errors import LocalProtocolError
 
         raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
+    await _stage_and_announce(core, view)
+
+
+async def _stage_and_announce(core: Core, view: memoryview) -> None:
+    n = view.nbytes
+    proto = core.proto
     link: Any = core.link
     while link.rndv_staged and link.rndv_staged + n > link.rndv_limit:
         core.check_send()

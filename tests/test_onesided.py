@@ -430,3 +430,29 @@ async def test_a_cancelled_receive_of_a_rendezvous_loses_nothing(anyio_backend: 
         assert cancelled
         link = a._core.link
         assert getattr(link, "rndv_staged", 0) == 0  # every staged region came back
+
+
+async def test_large_stream_writes_go_by_rendezvous_in_order(anyio_backend: Any, kind: str) -> None:
+    """A byte stream with large writes among small ones: every byte arrives in order (the bytes
+    behind a rendezvous wait until it is READ); on the native path the large ones went by READ."""
+    base, backend = _pair_args(kind)
+    async with no_fd_leak(), stream_pair(base, rdma_backend=backend) as (a, b):  # type: ignore[arg-type]
+        threshold = 256 << 10
+        sizes = [10, threshold, 5, 3 << 20, 1, threshold - 1, 2 << 20, 7]
+        chunks = [os.urandom(n) for n in sizes]
+        expected = b"".join(chunks)
+        got = bytearray()
+        async with anyio.create_task_group() as tg:
+
+            async def sender() -> None:
+                for c in chunks:
+                    await a.send(c)
+
+            tg.start_soon(sender)
+            buf = bytearray(1 << 20)
+            while len(got) < len(expected):
+                n = await b.receive_into(buf)
+                got += buf[:n]
+        assert got == expected
+        rendezvous = a._core.memory._next_mid - 1
+        assert rendezvous == (sum(1 for n in sizes if n >= threshold) if _on_the_nic(kind) else 0)

@@ -62,8 +62,10 @@ class RdmaConfig:
     #: its buffer (``receive_into``: zero copy into registered memory) -- no 64 KiB SENDs.
     #: 0: never.  (See docs/architecture.md and the figures in docs/benchmarks.md.)
     rendezvous: int = 256 << 10
-    #: rendezvous bytes a connection may have staged for its peer at once (a send waits beyond)
-    rendezvous_inflight: int = 64 << 20
+    #: rendezvous bytes a connection may have staged for its peer at once (a send waits beyond;
+    #: one message larger than this still goes, alone); a byte stream is staged in pieces of
+    #: half of it.  This is the sender's "socket buffer" for large writes.
+    rendezvous_inflight: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.window <= 4096:

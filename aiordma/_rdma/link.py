@@ -139,6 +139,9 @@ class RdmaLink(Link):
         self._rndv_free: dict[int, list[Any]] = {}
         self.rndv_staged = 0
         self.rndv_limit = backend.config.rendezvous_inflight
+        #: a byte stream's rendezvous being READ: [rendezvous, staging region, seq (0: not posted), wanted]
+        self._stream_fetch: list[Any] | None = None
+        self._force_fetch = False
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -400,7 +403,7 @@ class RdmaLink(Link):
                 # taken some since the last wake); a reader's consumed() is only needed to
                 # release credits that C withheld
                 c.unread = len(core.rbuf) + core.messages.nbytes
-                self.needs_consumed = c.withheld != 0
+                self.needs_consumed = c.withheld != 0 or self._stream_fetch is not None
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
             elif early:
@@ -408,6 +411,8 @@ class RdmaLink(Link):
         if events & EVT_ONESIDED:
             for seq, status in session.take_onesided():
                 self._os_done[seq] = status
+        if self._stream_fetch is not None:
+            self._stream_fetch_step()
         blocked = c.blocked == BLOCK_SQ
         if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence or blocked)):
             session.on_events(events)
@@ -532,6 +537,10 @@ class RdmaLink(Link):
         session = self.session
         if session is None or session.error is not None or self._closing or self.core.closed:
             return self.wait_incoming()
+        fetch = self._stream_fetch
+        if fetch is not None and not fetch[2]:
+            # a reader waits although much is buffered: it wants more (a long line): READ it now
+            self._stream_fetch_now()
         if (session.c.withheld if self._native else session.withheld):
             # a reader waits although much is buffered (a long line, a large
             # message): it wants more, so the peer gets its credits back
@@ -545,12 +554,15 @@ class RdmaLink(Link):
 
     def consumed(self) -> None:
         session = self.session
+        fetch = self._stream_fetch
+        if fetch is not None and not fetch[2]:
+            self._stream_fetch_step()  # a deferred rendezvous READ: the reader took some
         if self._native:
             c = session.c
             if (c.unread >= session._quarter or c.withheld) and session.consumed(self.core.buffered):
                 session.flush()
                 self._track_sq()
-            self.needs_consumed = c.withheld != 0
+            self.needs_consumed = c.withheld != 0 or self._stream_fetch is not None
             return
         if session is not None and session.withheld and session.consumed(self.core.buffered):
             work = session.flush()
@@ -811,6 +823,82 @@ class RdmaLink(Link):
         finally:
             release_pinned(n)
 
+    def stream_fetch(self, rv: Any) -> None:
+        """A byte stream's rendezvous: READ it into a staging region, from the callback (nothing
+        awaits it); when it completes, its bytes go to ``rbuf`` and the protocol resumes."""
+        device = self.device
+        if device is None or device.closed or self._stream_fetch is not None:
+            self.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
+            return
+        size = max(64 << 10, 1 << max(0, rv.length - 1).bit_length())
+        self._stream_fetch = [rv, device.take_region(size), 0, False]
+        self._stream_fetch_step()
+
+    def _stream_fetch_step(self) -> None:
+        fetch = self._stream_fetch
+        assert fetch is not None
+        rv, region, seq, _wanted = fetch
+        session = self.session
+        if not seq:
+            if rv.length == 0:
+                self._stream_fetch_done(0)
+                return
+            if self.core.buffered >= RECEIVE_HIGH_WATER and not self._force_fetch:
+                # the reader is behind: READ it when the reader took some (consumed(), or a
+                # reader that waits for more) -- the sender's staged bytes are its backpressure
+                self.needs_consumed = True
+                return
+            if session is None or session.error is not None:
+                return  # the connection failed: teardown gives the region back
+            try:
+                seq = session.post_onesided(False, int(region.addr), rv.length, int(region.lkey), rv.addr, rv.rkey)
+            except Exception as exc:
+                self.core.on_error(exc)
+                return
+            if not seq:
+                return  # the send queue is full: tried again at the next wake
+            fetch[2] = seq
+            fetch[3] = self._want_sends()  # (its completion is not solicited)
+            return
+        if seq in self._os_done:
+            self._stream_fetch_done(self._os_done.pop(seq))
+
+    def _stream_fetch_now(self) -> None:
+        """Post a deferred rendezvous READ whatever is buffered (a reader waits for more)."""
+        fetch = self._stream_fetch
+        if fetch is None or fetch[2]:
+            return
+        self._force_fetch = True
+        try:
+            self._stream_fetch_step()
+        finally:
+            self._force_fetch = False
+
+    def _stream_fetch_done(self, status: int) -> None:
+        fetch = self._stream_fetch
+        assert fetch is not None
+        self._stream_fetch = None
+        rv, region, _seq, wanted = fetch
+        self._unwant_sends(wanted)
+        core = self.core
+        device = self.device
+        try:
+            if status:
+                core.on_error(RemoteMemoryError(f"the rendezvous READ failed: {wc_status_name(status)}"))
+                return
+            if rv.length:
+                stage = region.view(0, rv.length)
+                try:
+                    core.rbuf += stage
+                finally:
+                    stage.release()
+                count_staged(rv.length)
+        finally:
+            if device is not None:
+                device.give_region(region)  # (its WR completed)
+        core.send_memory_nowait(core.memory.rendezvous_done(rv))
+        core.resume_after_rendezvous()
+
     async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
         """RDMA READ ``n`` bytes into a staging region and return them (one copy)."""
         if not n:
@@ -992,6 +1080,11 @@ class RdmaLink(Link):
         if qp_gone:
             for region, _n in list(self._exposed.values()):
                 attempt(partial(self.release_region, region))  # (an exposure still open: revoked here)
+            if self._stream_fetch is not None:
+                fetch, self._stream_fetch = self._stream_fetch, None
+                self._unwant_sends(fetch[3])
+                if device is not None:
+                    attempt(partial(device.give_region, fetch[1]))  # (the QP is gone: nothing touches it)
             for region in [*self._rndv_held.values(), *(r for rs in self._rndv_free.values() for r in rs)]:
                 attempt(partial(self._close_rndv, region))
             self._rndv_held.clear()
