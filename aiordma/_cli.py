@@ -678,14 +678,19 @@ def cmd_perf(args: argparse.Namespace) -> int:
         print(f"{prog}: error: give the server's HOST, or --local", file=sys.stderr)
         return EXIT_USAGE
     host = args.host or demo_host()
-    total = len(args.sizes) * 2 * sum(len(polls) if t == "rdma" else 1 for t in transports)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    for o in ops:
+        if o not in ("send", "read", "write"):
+            print(f"{prog}: error: unknown operation {o!r} (send, read, write)", file=sys.stderr)
+            return EXIT_USAGE
+    total = len(ops) * len(args.sizes) * 2 * sum(len(polls) if t == "rdma" else 1 for t in transports)
     bar = _perf.Progress(total, enabled=not args.no_progress)
 
     async def client(ports: list[int]) -> list[_perf.PerfLine]:
         return await _perf.run_client(
             host, ports, transports=transports, polls=polls, sizes=args.sizes, iterations=args.iterations,
             bw_bytes=args.bw_bytes, latency_bytes=args.lat_bytes, bw_messages=args.bw_messages, timeout=args.timeout,
-            progress=bar.update,
+            progress=bar.update, ops=ops,
         )  # fmt: skip
 
     async def local() -> list[_perf.PerfLine]:
@@ -822,6 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--sizes", type=_sizes, default=[64, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20,
                                                           4 << 20, 16 << 20],
                         help="message sizes, comma-separated (default 64,1K,16K,64K,256K,1M,4M,16M)")  # fmt: skip
+    client.add_argument("--ops", default="send",
+                        help="comma-separated: send (messages), read, write (one-sided, against memory the "
+                             "server exposes; registered buffers on both sides) (default send)")  # fmt: skip
     client.add_argument("--iterations", type=_positive, default=1000, help="round trips per size (default 1000)")
     client.add_argument("--lat-bytes", type=_size, default=64 * MiB, metavar="N",
                         help="cap the round trips of a size at N bytes' worth (default 64M)")  # fmt: skip

@@ -32,6 +32,8 @@ from typing import Any
 import anyio
 
 from ._api import Channel, connect_channel, create_channel_listener
+from ._memory import RegisteredBuffer
+from ._onesided import RemoteBuffer
 from ._rdma.config import RdmaBackend, RdmaConfig
 from ._rdma.poller import POLL_MODES
 
@@ -67,10 +69,14 @@ class PerfLine:
     poll: str
     results: list[PerfResult] = field(default_factory=list)
     note: str = ""
+    #: "send" (messages: round trip and stream), or one-sided "read" / "write" against memory the
+    #: server exposes (latency: one operation; bandwidth: operations back to back)
+    op: str = "send"
 
     @property
     def label(self) -> str:
-        return f"{self.transport}/{self.poll}" if self.transport == "rdma" else self.transport
+        base = f"{self.transport}/{self.poll}" if self.transport == "rdma" else self.transport
+        return base if self.op == "send" else f"{base} {self.op}"
 
 
 def _percentile(values: Sequence[float], fraction: float) -> float:
@@ -101,6 +107,11 @@ async def _serve_one(channel: Channel) -> None:
                 for _ in range(count):
                     got += len(await channel.receive())
                 await channel.send(_COUNT.pack(got))
+            elif test == "expose":
+                with RegisteredBuffer(max(1, size)) as buf:
+                    async with channel.expose(buf, read=True, write=True) as remote:
+                        await channel.send(remote.to_bytes())
+                        await channel.receive()  # the client is done
             else:
                 return
         except (anyio.EndOfStream, anyio.BrokenResourceError, ValueError, KeyError):
@@ -186,6 +197,27 @@ async def _bandwidth(channel: Channel, size: int, count: int) -> float:
     return size * count / elapsed / 1e6
 
 
+async def _one_sided(channel: Channel, op: str, size: int, lat_count: int, bw_count: int) -> tuple[list[float], float]:
+    """One-sided ``op`` ("read"/"write") of ``size`` bytes against the server's exposed memory,
+    between registered buffers: latency samples of single operations, then MB/s back to back."""
+    await channel.send(json.dumps({"test": "expose", "size": size, "count": 0}).encode())
+    remote = RemoteBuffer.from_bytes(await channel.receive())
+    clock = time.perf_counter
+    with RegisteredBuffer(size) as local:
+        call = channel.read if op == "read" else channel.write
+        samples: list[float] = []
+        for _ in range(lat_count):
+            start = clock()
+            await call(remote, local)
+            samples.append(clock() - start)
+        start = clock()
+        for _ in range(bw_count):
+            await call(remote, local)
+        mb_s = size * bw_count / (clock() - start) / 1e6
+    await channel.send(b"done")
+    return samples, mb_s
+
+
 async def run_client(
     host: str,
     ports: Sequence[int],
@@ -199,18 +231,20 @@ async def run_client(
     bw_messages: int = 20_000,
     timeout: float = 300.0,
     progress: Callable[[str, int, int], None] | None = None,
+    ops: Sequence[str] = ("send",),
 ) -> list[PerfLine]:
-    """Measure every (transport, poll mode) line over ``sizes``.  ``progress(label, done, total)``
-    is called after each step."""
-    plan: list[tuple[str, str]] = []
-    for transport in transports:
-        for poll in polls if transport == "rdma" else ("-",):
-            plan.append((transport, poll))
+    """Measure every (transport, poll mode, op) line over ``sizes``.  ``progress(label, done,
+    total)`` is called after each step."""
+    plan: list[tuple[str, str, str]] = []
+    for op in ops:
+        for transport in transports:
+            for poll in polls if transport == "rdma" else ("-",):
+                plan.append((transport, poll, op))
     total = len(plan) * len(sizes) * 2
     done = 0
     lines: list[PerfLine] = []
-    for transport, poll in plan:
-        line = PerfLine(transport, poll)
+    for transport, poll, op in plan:
+        line = PerfLine(transport, poll, op=op)
         lines.append(line)
         port = ports[POLL_MODES.index(poll)] if transport == "rdma" else ports[0]
         backend = _backend(poll if transport == "rdma" else "event")
@@ -224,6 +258,23 @@ async def run_client(
             line.results.append(result)
             lat_count = max(10, min(iterations, latency_bytes // size))
             bw_count = max(4, min(bw_messages, bw_bytes // size))
+            if op != "send":
+                try:
+                    with anyio.fail_after(timeout):
+                        async with await open_channel() as channel:
+                            samples, mb_s = await _one_sided(channel, op, size, lat_count, bw_count)
+                    result.lat_iterations = len(samples)
+                    result.lat_p50_us = _percentile(samples, 0.50) * 1e6
+                    result.lat_p99_us = _percentile(samples, 0.99) * 1e6
+                    result.lat_p999_us = _percentile(samples, 0.999) * 1e6
+                    result.lat_mean_us = sum(samples) / len(samples) * 1e6
+                    result.bw_mb_s, result.bw_messages = mb_s, bw_count
+                except Exception as exc:
+                    line.note = f"{type(exc).__name__}: {exc}"
+                done += 2
+                if progress:
+                    progress(line.label, done, total)
+                continue
             try:
                 with anyio.fail_after(timeout):
                     async with await open_channel() as channel:
@@ -275,12 +326,12 @@ def format_table(lines: Sequence[PerfLine]) -> str:
         for r in line.results:
             out.append(f"{_size_text(r.size):>9} {cell(r.lat_p50_us)} {cell(r.lat_p99_us)} {cell(r.lat_p999_us)} "
                        f"{cell(r.bw_mb_s)}")  # fmt: skip
-    by_label = {line.label: line for line in lines}
-    tcp = by_label.get("tcp")
-    if tcp is not None:
+    tcp_of = {line.op: line for line in lines if line.transport == "tcp"}
+    if tcp_of:
         out.append("== ratios to tcp (latency p50: lower is better; bandwidth: higher is better)")
         for line in lines:
-            if line is tcp:
+            tcp = tcp_of.get(line.op)
+            if tcp is None or line is tcp:
                 continue
             parts = []
             for r, t in zip(line.results, tcp.results):
@@ -298,7 +349,7 @@ def to_json(lines: Sequence[PerfLine], meta: dict[str, Any]) -> str:
     data = {
         "meta": meta,
         "lines": [
-            {"transport": ln.transport, "poll": ln.poll, "note": ln.note,
+            {"transport": ln.transport, "poll": ln.poll, "op": ln.op, "note": ln.note,
              "results": [{k: clean(v) for k, v in asdict(r).items()} for r in ln.results]}
             for ln in lines
         ],

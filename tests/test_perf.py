@@ -65,6 +65,32 @@ def test_perf_table_has_every_line_and_the_ratios() -> None:
     assert all(not line.note for line in lines)
 
 
+def test_perf_measures_one_sided_reads_and_writes() -> None:
+    async def main() -> list[_perf.PerfLine]:
+        ports: list[int] = []
+        ready = anyio.Event()
+
+        def on_ready(p: list[int]) -> None:
+            ports.extend(p)
+            ready.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _perf.serve("127.0.0.1", 0, on_ready=on_ready))
+            await ready.wait()
+            lines = await _perf.run_client("127.0.0.1", ports, transports=["tcp"], sizes=[64, 1 << 20], iterations=10,
+                                           bw_bytes=4 << 20, ops=["read", "write"])  # fmt: skip
+            tg.cancel_scope.cancel()
+        return lines
+
+    lines = anyio.run(main)
+    assert [line.label for line in lines] == ["tcp read", "tcp write"]
+    for line in lines:
+        assert not line.note, line.note
+        for r in line.results:
+            assert r.lat_iterations >= 10 and 0 < r.lat_p50_us and r.bw_mb_s > 0
+    assert "== tcp read" in _perf.format_table(lines)
+
+
 def test_perf_server_and_client_in_two_processes() -> None:
     server = subprocess.Popen([*CLI, "perf", "server", "--host", "127.0.0.1", "--port", "0", "--max-connections", "4"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -110,3 +136,18 @@ def test_perf_over_rdma_in_every_poll_mode(tmp_path: Path) -> None:
         assert all(r["lat_p50_us"] and r["bw_mb_s"] for r in line["results"])
     assert plot.exists()
     assert os.path.getsize(plot) > 1000
+
+
+@pytest.mark.rdma
+def test_perf_one_sided_over_rdma() -> None:
+    host = rdma_address()
+    assert host is not None
+    proc = _run("perf", "client", "--local", "--ops", "read,write", "--poll", "event", "--sizes", "64,1M",
+                "--iterations", "10", "--bw-bytes", "4M", "--json", "--no-progress", timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [(ln["transport"], ln["op"]) for ln in data["lines"]] == [
+        ("rdma", "read"), ("tcp", "read"), ("rdma", "write"), ("tcp", "write")]
+    for line in data["lines"]:
+        assert line["note"] == "", line
+        assert all(r["lat_p50_us"] and r["bw_mb_s"] for r in line["results"])
