@@ -91,7 +91,8 @@ async def server_main(host: str, port_file: str, transport: str, largest: int) -
 # -- the measuring side ----------------------------------------------------------------------------
 
 
-async def measure(ch: aiordma.Channel, sizes: list[int], megabytes: int, latency_iters: int) -> dict[str, Any]:
+async def measure(ch: aiordma.Channel, sizes: list[int], megabytes: int, latency_iters: int,
+                  messages_only: bool = False) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"messages": {}, "read": {}, "write": {}}
     largest = max(sizes)
     for size in sizes:
@@ -107,6 +108,8 @@ async def measure(ch: aiordma.Channel, sizes: list[int], megabytes: int, latency
             out["messages"][size] = size * count / (time.perf_counter() - t0) / 1e6
         finally:
             payload.close()
+    if messages_only:
+        return out
     await ch.send(b"expose")
     remote = RemoteBuffer.from_bytes(await ch.receive())
     with RegisteredBuffer(largest) as local:
@@ -154,10 +157,13 @@ def registration_cost(ch: aiordma.Channel) -> float | None:
 
 
 async def client_main(host: str, port: int, transport: str, args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
-    ch = await aiordma.connect_channel(host, port, transport=transport, max_message_size=1 << 30)
+    send_path = transport == "rdma-send"  # rendezvous off: every message through the SEND slots
+    backend = aiordma.RdmaBackend(aiordma.RdmaConfig(rendezvous=0)) if send_path else None
+    real = "rdma" if send_path else transport
+    ch = await aiordma.connect_channel(host, port, transport=real, max_message_size=1 << 30, rdma_backend=backend)
     async with ch:
-        assert ch.transport == transport, ch.fallback_reason
-        result = await measure(ch, sizes, args.megabytes, args.latency_iters)
+        assert ch.transport == real, ch.fallback_reason
+        result = await measure(ch, sizes, args.megabytes, args.latency_iters, messages_only=send_path)
         if transport == "rdma":
             result["registration_ms_per_gib"] = registration_cost(ch)
         await ch.send(b"quit")
@@ -168,7 +174,8 @@ async def client_main(host: str, port: int, transport: str, args: argparse.Names
 
 
 async def one_process(host: str, transport: str, args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
-    async with await aiordma.create_channel_listener(host, 0, transport=transport, max_message_size=1 << 30) as lst:
+    real = "rdma" if transport == "rdma-send" else transport
+    async with await aiordma.create_channel_listener(host, 0, transport=real, max_message_size=1 << 30) as lst:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lst.serve, lambda ch: serve_one(ch, max(sizes)), tg)
             result = await client_main(host, lst.port, transport, args, sizes)
@@ -181,7 +188,8 @@ def two_processes(host: str, transport: str, args: argparse.Namespace, sizes: li
     if os.path.exists(port_file):
         os.unlink(port_file)
     server = subprocess.Popen([sys.executable, __file__, "--serve", host, "--port-file", port_file,
-                               "--transport", transport, "--largest", str(max(sizes))])  # fmt: skip
+                               "--transport", "rdma" if transport == "rdma-send" else transport,
+                               "--largest", str(max(sizes))])  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(port_file) or not Path(port_file).read_text():
@@ -223,6 +231,13 @@ def report(results: dict[str, Any], sizes: list[int], pt: dict[str, dict[int, fl
     for where, by_transport in results.items():
         print(f"== {where} (MB/s; ratios: RDMA against aiordma-TCP and against perftest, same size)")
         rdma, tcp = by_transport.get("rdma"), by_transport.get("tcp")
+        send_path = by_transport.get("rdma-send")
+        if send_path:
+            print("  messages over RDMA, rendezvous against the SEND slots (rendezvous=0), MB/s:")
+            for size in sizes:
+                a = float(rdma["messages"].get(size, nan)) if rdma else nan
+                b = float(send_path["messages"].get(size, nan))
+                print(f"    {fmt_size(size):>8}: rendezvous {a:7.1f}  SEND slots {b:7.1f}  ratio {a / b:5.2f}")
         print(f"{'size':>8} | {'msg':>7} {'msg tcp':>7} {'x tcp':>5} {'x ibw':>5} | {'read':>7} {'rd tcp':>7} {'x tcp':>5} "
               f"{'x ibr':>5} | {'write':>7} {'wr tcp':>7} {'x tcp':>5} {'x ibw':>5} | {'ib_read':>7} {'ib_write':>8}")  # fmt: skip
         for size in sizes:
@@ -237,6 +252,8 @@ def report(results: dict[str, Any], sizes: list[int], pt: dict[str, dict[int, fl
             print(f"{fmt_size(size):>8} | {m:7.1f} {mt:7.1f} {m / mt:5.2f} {m / ib_w:5.2f} | {r:7.1f} {rt:7.1f} {r / rt:5.2f} "
                   f"{r / ib_r:5.2f} | {w:7.1f} {wt:7.1f} {w / wt:5.2f} {w / ib_w:5.2f} | {ib_r:7.1f} {ib_w:8.1f}")  # fmt: skip
         for t, res in by_transport.items():
+            if "read_64B_us" not in res:
+                continue
             line = f"  {t}: 64 B one-sided read {res['read_64B_us']:.0f} us, write {res['write_64B_us']:.0f} us"
             if res.get("registration_ms_per_gib") is not None:
                 line += f"; registration {res['registration_ms_per_gib']:.0f} ms per GiB"
@@ -252,7 +269,8 @@ def main() -> int:
     p.add_argument("--megabytes", type=int, default=64, help="bytes moved per size and operation (default %(default)s MB)")
     p.add_argument("--latency-iters", type=int, default=100)
     p.add_argument("--processes", type=int, nargs="+", default=[2, 1])
-    p.add_argument("--transports", nargs="+", default=["rdma", "tcp"])
+    p.add_argument("--transports", nargs="+", default=["rdma", "tcp"],
+                   help="rdma, tcp, rdma-send (messages over RDMA with rendezvous off, to place the threshold)")
     p.add_argument("--no-perftest", action="store_true")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--serve", metavar="HOST", help=argparse.SUPPRESS)
