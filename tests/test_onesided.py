@@ -456,3 +456,35 @@ async def test_large_stream_writes_go_by_rendezvous_in_order(anyio_backend: Any,
         assert got == expected
         rendezvous = a._core.memory._next_mid - 1
         assert rendezvous == (sum(1 for n in sizes if n >= threshold) if _on_the_nic(kind) else 0)
+
+
+async def test_a_cancelled_rendezvous_send_is_whole_or_absent(anyio_backend: Any, kind: str) -> None:
+    """Cancel a large send after 0, 1, 2, ... scheduler rounds: the receiver gets it whole or not
+    at all, the connection goes on in order, and every staged region comes back."""
+    if _expected_transport(kind) != "rdma":
+        pytest.skip("over TCP a cancelled send may cut a frame (docs/architecture.md, Cancellation)")
+    async with channels(kind) as (a, b):
+        big = os.urandom(1 << 20)
+        for rounds in range(8):
+            with anyio.CancelScope() as scope:
+
+                async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
+                    for _ in range(rounds):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_later)
+                    await a.send(big)
+                    tg.cancel_scope.cancel()
+            marker = b"end %d" % rounds
+            await a.send(marker)
+            while True:
+                got = await b.receive()
+                if got == marker:
+                    break
+                assert got == big, "a cancelled send arrived cut"
+        with anyio.fail_after(10):
+            while getattr(a._core.link, "rndv_staged", 0):
+                await a.send(b"")  # (each send lets the link take the peer's RNDV_DONEs)
+                assert await b.receive() == b""
