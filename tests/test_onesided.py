@@ -71,6 +71,13 @@ async def channels(kind: str) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Ch
             yield pair
 
 
+async def cancel_after(scope: anyio.CancelScope, rounds: int) -> None:
+    """Cancel ``scope`` after ``rounds`` scheduler rounds (a cancellation at every await in turn)."""
+    for _ in range(rounds):
+        await anyio.lowlevel.checkpoint()
+    scope.cancel()
+
+
 def _expected_transport(kind: str) -> str:
     return "tcp" if kind in ("memory", "tcp") else "rdma"
 
@@ -213,13 +220,8 @@ async def test_a_cancelled_operation_never_leaves_the_nic_with_the_buffer(anyio_
                 try:
                     with anyio.CancelScope() as scope:
 
-                        async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
-                            for _ in range(rounds):
-                                await anyio.lowlevel.checkpoint()
-                            scope.cancel()
-
                         async with anyio.create_task_group() as tg:
-                            tg.start_soon(cancel_later)
+                            tg.start_soon(cancel_after, scope, rounds)
                             if write:
                                 await b.write(desc, local)
                             else:
@@ -415,13 +417,8 @@ async def test_a_cancelled_receive_of_a_rendezvous_loses_nothing(anyio_backend: 
         for rounds in range(6):
             with anyio.CancelScope() as scope:
 
-                async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
-                    for _ in range(rounds):
-                        await anyio.lowlevel.checkpoint()
-                    scope.cancel()
-
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(cancel_later)
+                    tg.start_soon(cancel_after, scope, rounds)
                     assert await b.receive() == big
                     tg.cancel_scope.cancel()
             if scope.cancelled_caught:
@@ -468,13 +465,8 @@ async def test_a_cancelled_rendezvous_send_is_whole_or_absent(anyio_backend: Any
         for rounds in range(8):
             with anyio.CancelScope() as scope:
 
-                async def cancel_later(scope: anyio.CancelScope = scope, rounds: int = rounds) -> None:
-                    for _ in range(rounds):
-                        await anyio.lowlevel.checkpoint()
-                    scope.cancel()
-
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(cancel_later)
+                    tg.start_soon(cancel_after, scope, rounds)
                     await a.send(big)
                     tg.cancel_scope.cancel()
             marker = b"end %d" % rounds

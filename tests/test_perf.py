@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -42,22 +43,26 @@ def test_perf_local_tcp_prints_json_and_writes_a_plot(tmp_path: Path) -> None:
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+async def _local_run(**kw: Any) -> list[_perf.PerfLine]:
+    """A perf server in this loop and the client against it, over TCP."""
+    ports: list[int] = []
+    ready = anyio.Event()
+
+    def on_ready(p: list[int]) -> None:
+        ports.extend(p)
+        ready.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: _perf.serve("127.0.0.1", 0, on_ready=on_ready))
+        await ready.wait()
+        lines = await _perf.run_client("127.0.0.1", ports, transports=["tcp"], **kw)
+        tg.cancel_scope.cancel()
+    return lines
+
+
 def test_perf_table_has_every_line_and_the_ratios() -> None:
     async def main() -> list[_perf.PerfLine]:
-        ports: list[int] = []
-        ready = anyio.Event()
-
-        def on_ready(p: list[int]) -> None:
-            ports.extend(p)
-            ready.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _perf.serve("127.0.0.1", 0, on_ready=on_ready))
-            await ready.wait()
-            lines = await _perf.run_client("127.0.0.1", ports, transports=["tcp"], sizes=[64, 1024], iterations=20,
-                                           bw_bytes=64 << 10)  # fmt: skip
-            tg.cancel_scope.cancel()
-        return lines
+        return await _local_run(sizes=[64, 1024], iterations=20, bw_bytes=64 << 10)
 
     lines = anyio.run(main)
     text = _perf.format_table(lines)
@@ -67,20 +72,7 @@ def test_perf_table_has_every_line_and_the_ratios() -> None:
 
 def test_perf_measures_one_sided_reads_and_writes() -> None:
     async def main() -> list[_perf.PerfLine]:
-        ports: list[int] = []
-        ready = anyio.Event()
-
-        def on_ready(p: list[int]) -> None:
-            ports.extend(p)
-            ready.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _perf.serve("127.0.0.1", 0, on_ready=on_ready))
-            await ready.wait()
-            lines = await _perf.run_client("127.0.0.1", ports, transports=["tcp"], sizes=[64, 1 << 20], iterations=10,
-                                           bw_bytes=4 << 20, ops=["read", "write"])  # fmt: skip
-            tg.cancel_scope.cancel()
-        return lines
+        return await _local_run(sizes=[64, 1 << 20], iterations=10, bw_bytes=4 << 20, ops=["read", "write"])
 
     lines = anyio.run(main)
     assert [line.label for line in lines] == ["tcp read", "tcp write"]
