@@ -135,7 +135,8 @@ def test_perf_one_sided_over_rdma() -> None:
     host = rdma_address()
     assert host is not None
     proc = _run("perf", "client", "--local", "--ops", "read,write", "--poll", "event", "--sizes", "64,1M",
-                "--iterations", "10", "--bw-bytes", "4M", "--json", "--no-progress", timeout=600)  # fmt: skip
+                "--iterations", "10", "--bw-bytes", "4M", "--bw-messages", "100", "--json", "--no-progress",
+                timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert [(ln["transport"], ln["op"]) for ln in data["lines"]] == [
