@@ -196,15 +196,14 @@ class Core:
         return mem
 
     def _on_memory(self, payload: bytes) -> None:
+        mem = self.memory
         try:
-            answers = self.memory.receive(payload)
+            answers = mem.receive(payload)
         except ProtocolError as exc:
             self.on_error(exc)
             return
         for answer in answers:
             self.send_memory_nowait(answer)
-        mem = self._memory
-        assert mem is not None
         if mem.rndv_arrived:
             arrived, mem.rndv_arrived = mem.rndv_arrived, []
             if not self.link.one_sided_rdma:

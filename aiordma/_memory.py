@@ -44,7 +44,6 @@ from __future__ import annotations
 import mmap
 import os
 import resource
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -140,7 +139,8 @@ def memory_stats() -> MemoryStats:
     return MemoryStats(s.pinned, s.registrations, len(s.live), s.hits, s.misses, s.staged, s.get_limit())
 
 
-def _reserve(nbytes: int) -> None:
+def reserve_pinned(nbytes: int) -> None:
+    """Count ``nbytes`` more pinned bytes (a registration); raises past the limit."""
     limit = _state.get_limit()
     if _state.pinned + nbytes > limit:
         from ._rdma.mempool import MemlockLimitError, memlock_advice
@@ -156,18 +156,9 @@ def _reserve(nbytes: int) -> None:
     _state.registrations += 1
 
 
-def _unreserve(nbytes: int) -> None:
+def release_pinned(nbytes: int) -> None:
     _state.pinned -= nbytes
     _state.registrations -= 1
-
-
-def reserve_pinned(nbytes: int) -> None:
-    """Count ``nbytes`` more pinned bytes (an exposure's own registration); raises past the limit."""
-    _reserve(nbytes)
-
-
-def release_pinned(nbytes: int) -> None:
-    _unreserve(nbytes)
 
 
 class RegisteredMemory:
@@ -220,11 +211,11 @@ class RegisteredMemory:
         if self._closed:
             raise ValueError("the registered memory is closed")
         _state.misses += 1
-        _reserve(self._view.nbytes)
+        reserve_pinned(self._view.nbytes)
         try:
             mr = device.register_user(self, self._view)
         except BaseException:
-            _unreserve(self._view.nbytes)
+            release_pinned(self._view.nbytes)
             raise
         self._mrs[device] = mr
         return mr
@@ -233,7 +224,7 @@ class RegisteredMemory:
         """The device closes: its registration goes (the caller deregisters the returned MR)."""
         mr = self._mrs.pop(device, None)
         if mr is not None:
-            _unreserve(self._view.nbytes)
+            release_pinned(self._view.nbytes)
         return mr
 
     def hold(self) -> None:
@@ -340,6 +331,3 @@ def find_registered(view: memoryview) -> tuple[RegisteredMemory, int] | None:
 def count_staged(nbytes: int) -> None:
     _state.staged += nbytes
 
-
-def live_memories() -> Iterator[RegisteredMemory]:
-    return iter(list(_state.live.values()))

@@ -50,10 +50,6 @@ def _byte_view(obj: Any, writable: bool) -> memoryview:
     return view
 
 
-def _usable(core: Core) -> None:
-    core.check_send()
-
-
 async def _wait_result(core: Core, op: int) -> bytes:
     mem = core.memory
     while mem.results.get(op) is None:
@@ -69,7 +65,7 @@ async def expose(
     core: Core, obj: Any, *, read: bool = True, write: bool = False, revoke_timeout: float = REVOKE_TIMEOUT
 ) -> AsyncIterator[RemoteBuffer]:
     await core.checkpoint()
-    _usable(core)
+    core.check_send()
     access = (READ if read else 0) | (WRITE if write else 0)
     view = _byte_view(obj, writable=bool(write))
     if not view.nbytes:
@@ -140,7 +136,7 @@ async def _revoke(core: Core, exp: Exposure, timeout: float) -> None:
 
 async def read(core: Core, remote: RemoteBuffer, into: Any, offset: int = 0, length: int | None = None) -> int:
     await core.checkpoint()
-    _usable(core)
+    core.check_send()
     view = _byte_view(into, writable=True)
     n = view.nbytes if length is None else length
     if n > view.nbytes:
@@ -182,7 +178,7 @@ async def read(core: Core, remote: RemoteBuffer, into: Any, offset: int = 0, len
 
 async def write(core: Core, remote: RemoteBuffer, data: Any, offset: int = 0, notify: bool = False) -> None:
     await core.checkpoint()
-    _usable(core)
+    core.check_send()
     view = _byte_view(data, writable=False)
     n = view.nbytes
     mem = core.memory
@@ -223,7 +219,7 @@ async def written(core: Core, remote: RemoteBuffer) -> tuple[int, int]:
     """The exposer: wait for the next write into ``remote`` that landed; ``(offset, length)``."""
     await core.checkpoint()
     exp = core.memory.exposures.get(remote.id)
-    if exp is None or exp.descriptor is not remote and exp.descriptor != remote:
+    if exp is None or exp.descriptor != remote:
         raise ValueError("written() takes a descriptor this side exposed (and that is still exposed)")
     while not exp.notices:
         if exp.state != Exposure.LIVE:

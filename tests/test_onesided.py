@@ -11,8 +11,7 @@ test.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -29,9 +28,12 @@ from aiordma import (
     RemoteBoundsError,
     RemoteBuffer,
 )
-from aiordma.testing import channel_pair, stream_pair
+from aiordma.testing import stream_pair
 
-from .test_conformance import KINDS, VARIANTS, _pair_args
+from aiordma._protocol import DEFAULT_MAX_MESSAGE_SIZE
+
+from .test_conformance import KINDS, _pair_args
+from .test_conformance import channels as conformance_channels
 from ._leaks import no_fd_leak
 
 pytestmark = pytest.mark.anyio
@@ -67,12 +69,9 @@ def pinned_back_to_zero() -> Any:
     assert after.buffers == before.buffers, "a registered buffer was left open"
 
 
-@asynccontextmanager
-async def channels(kind: str) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:
-    base, backend = _pair_args(kind)
-    async with no_fd_leak():
-        async with channel_pair(base, rdma_backend=backend) as pair:  # type: ignore[arg-type]
-            yield pair
+def channels(kind: str) -> AbstractAsyncContextManager[tuple[aiordma.Channel, aiordma.Channel]]:
+    """The conformance suite's pairs, with the default message limit (rendezvous sizes fit)."""
+    return conformance_channels(kind, limit=DEFAULT_MAX_MESSAGE_SIZE)
 
 
 async def cancel_after(scope: anyio.CancelScope, rounds: int) -> None:

@@ -141,7 +141,6 @@ class RdmaLink(Link):
         self.rndv_limit = backend.config.rendezvous_inflight
         #: a byte stream's rendezvous being READ: [rendezvous, staging region, seq (0: not posted), wanted]
         self._stream_fetch: list[Any] | None = None
-        self._force_fetch = False
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -540,7 +539,7 @@ class RdmaLink(Link):
         fetch = self._stream_fetch
         if fetch is not None and not fetch[2]:
             # a reader waits although much is buffered: it wants more (a long line): READ it now
-            self._stream_fetch_now()
+            self._stream_fetch_step(force=True)
         if (session.c.withheld if self._native else session.withheld):
             # a reader waits although much is buffered (a long line, a large
             # message): it wants more, so the peer gets its credits back
@@ -778,8 +777,9 @@ class RdmaLink(Link):
             finally:
                 stage.release()
         finally:
-            if self.qp is not None or self._qp_gone:
-                device.give_region(region)  # the op completed (or the QP is gone): reusable
+            # _one_sided returns only once its WR completed (or was never posted, or the QP is
+            # gone): the region is reusable
+            device.give_region(region)
 
     # rendezvous (see aiordma._remote.send_rendezvous) --
 
@@ -834,7 +834,9 @@ class RdmaLink(Link):
         self._stream_fetch = [rv, device.take_region(size), 0, False]
         self._stream_fetch_step()
 
-    def _stream_fetch_step(self) -> None:
+    def _stream_fetch_step(self, force: bool = False) -> None:
+        """Post the stream's rendezvous READ (deferred while the reader is behind, unless
+        ``force``: a reader waits for more), or finish it once its completion came."""
         fetch = self._stream_fetch
         assert fetch is not None
         rv, region, seq, _wanted = fetch
@@ -843,7 +845,7 @@ class RdmaLink(Link):
             if rv.length == 0:
                 self._stream_fetch_done(0)
                 return
-            if self.core.buffered >= RECEIVE_HIGH_WATER and not self._force_fetch:
+            if self.core.buffered >= RECEIVE_HIGH_WATER and not force:
                 # the reader is behind: READ it when the reader took some (consumed(), or a
                 # reader that waits for more) -- the sender's staged bytes are its backpressure
                 self.needs_consumed = True
@@ -862,17 +864,6 @@ class RdmaLink(Link):
             return
         if seq in self._os_done:
             self._stream_fetch_done(self._os_done.pop(seq))
-
-    def _stream_fetch_now(self) -> None:
-        """Post a deferred rendezvous READ whatever is buffered (a reader waits for more)."""
-        fetch = self._stream_fetch
-        if fetch is None or fetch[2]:
-            return
-        self._force_fetch = True
-        try:
-            self._stream_fetch_step()
-        finally:
-            self._force_fetch = False
 
     def _stream_fetch_done(self, status: int) -> None:
         fetch = self._stream_fetch
@@ -922,12 +913,7 @@ class RdmaLink(Link):
             finally:
                 stage.release()
         finally:
-            if self.qp is not None or self._qp_gone:
-                device.give_region(region)
-
-    @property
-    def _qp_gone(self) -> bool:
-        return self.qp is None and self.session is not None
+            device.give_region(region)  # (as in rdma(): the WR is done)
 
     async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
         await self.core.checkpoint()
