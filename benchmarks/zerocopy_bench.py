@@ -158,12 +158,17 @@ def registration_cost(ch: aiordma.Channel) -> float | None:
 
 async def client_main(host: str, port: int, transport: str, args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
     send_path = transport == "rdma-send"  # rendezvous off: every message through the SEND slots
-    backend = aiordma.RdmaBackend(aiordma.RdmaConfig(rendezvous=0)) if send_path else None
+    backend = None
+    if send_path:
+        backend = aiordma.RdmaBackend(aiordma.RdmaConfig(rendezvous=0))
+    elif transport == "rdma" and args.rendezvous is not None:
+        backend = aiordma.RdmaBackend(aiordma.RdmaConfig(rendezvous=args.rendezvous))
     real = "rdma" if send_path else transport
     ch = await aiordma.connect_channel(host, port, transport=real, max_message_size=1 << 30, rdma_backend=backend)
     async with ch:
         assert ch.transport == real, ch.fallback_reason
-        result = await measure(ch, sizes, args.megabytes, args.latency_iters, messages_only=send_path)
+        result = await measure(ch, sizes, args.megabytes, args.latency_iters,
+                               messages_only=send_path or args.messages_only)  # fmt: skip
         if transport == "rdma":
             result["registration_ms_per_gib"] = registration_cost(ch)
         await ch.send(b"quit")
@@ -272,6 +277,9 @@ def main() -> int:
     p.add_argument("--transports", nargs="+", default=["rdma", "tcp"],
                    help="rdma, tcp, rdma-send (messages over RDMA with rendezvous off, to place the threshold)")
     p.add_argument("--no-perftest", action="store_true")
+    p.add_argument("--rendezvous", type=lambda t: parse_size(t), default=None,
+                   help="RdmaConfig.rendezvous of the rdma line's sender (e.g. 4K: every size by rendezvous)")
+    p.add_argument("--messages-only", action="store_true", help="messages only (no one-sided read/write)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--serve", metavar="HOST", help=argparse.SUPPRESS)
     p.add_argument("--port-file", help=argparse.SUPPRESS)
