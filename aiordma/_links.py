@@ -68,6 +68,11 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     direct_writer: asyncio.Transport | None = None
     paused_writing: bool = False
     lost: bool = False
+    #: set by the asyncio Transport front end (aiordma._transport): called, instead of waking
+    #: waiters, after every feed of the Core and when the connection ends; and
+    #: ``write_listener(paused)`` when the TCP transport pauses or resumes writing
+    listener: Callable[[], None] | None = None
+    write_listener: Callable[[bool], None] | None = None
 
     """The protocol side of an asyncio TCP connection (see module docs).
 
@@ -133,8 +138,12 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             if events:
                 core.on_events(events)
             # DATA went into core.rbuf without events: check the level every time
-            if not self._paused_reading and len(core.rbuf) + core.message_bytes > RECEIVE_HIGH_WATER:
+            if not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
                 self._pause_reading()
+        listener = self.listener
+        if listener is not None:
+            listener()
+            return
         fut = self._waiter  # self._wake(), inlined
         if fut is not None:
             self._waiter = None
@@ -171,12 +180,16 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     def pause_writing(self) -> None:
         self.paused_writing = True
+        if self.write_listener is not None:
+            self.write_listener(True)
 
     def resume_writing(self) -> None:
         self.paused_writing = False
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
+        if self.write_listener is not None:
+            self.write_listener(False)
 
     # -- internals -----------------------------------------------------------
 
@@ -190,6 +203,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             on_lost()
 
     def _wake(self) -> None:
+        if self.listener is not None:
+            self.listener()
         fut = self._waiter
         if fut is not None:
             self._waiter = None

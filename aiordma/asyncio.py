@@ -8,6 +8,10 @@ satisfied), ``asyncio.LimitOverrunError`` (``readuntil`` past ``limit``),
 protocol; ``__cause__`` tells how).  As with asyncio, ``write`` never raises for
 a lost connection: ``drain`` does.
 
+``create_connection`` and ``create_server`` are asyncio's Transport/Protocol API: the
+transport is an ``asyncio.Transport`` (see :mod:`aiordma._transport` for how it calls the
+protocol), so a program written against ``loop.create_connection`` runs over aiordma unchanged.
+
 These run under asyncio (and uvloop) only; under trio use :func:`aiordma.connect`.
 Extra info: ``writer.get_extra_info("aiordma_transport")`` is ``"tcp"`` or
 ``"rdma"``, ``"aiordma_fallback_reason"`` says why TCP; the usual names
@@ -29,10 +33,20 @@ from ._errors import LocalProtocolError
 from ._links import AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
+from ._transport import AiordmaTransport as Transport
 from ._rdma.device import DeviceHold
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
-__all__ = ["StreamReader", "StreamWriter", "Server", "open_connection", "start_server"]
+__all__ = [
+    "StreamReader",
+    "StreamWriter",
+    "Server",
+    "Transport",
+    "open_connection",
+    "start_server",
+    "create_connection",
+    "create_server",
+]
 
 _DEFAULT_LIMIT = 2**16
 _EOF = Half.EOF
@@ -343,7 +357,7 @@ async def open_connection(
 ClientConnectedCallback = Callable[[StreamReader, StreamWriter], Awaitable[None] | None]
 
 
-class Server:
+class Server(asyncio.AbstractServer):
     """A listening aiordma server; used like ``asyncio.Server``.
 
     ``close()`` stops listening; ``wait_closed()`` then waits for the
@@ -352,10 +366,12 @@ class Server:
     connection is closed.
     """
 
-    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]], devices: DeviceHold) -> None:
+    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]], devices: DeviceHold,
+                 transports: set[Transport] | None = None) -> None:  # fmt: skip
         self._server = server
         self._tasks = tasks
         self._devices = devices
+        self._transports = transports if transports is not None else set()
 
     @property
     def sockets(self) -> tuple[Any, ...]:
@@ -385,6 +401,15 @@ class Server:
         await self._server.wait_closed()
         while self._tasks:
             await asyncio.wait(set(self._tasks))
+
+    def close_clients(self) -> None:
+        """Close the transports of accepted connections (``create_server``; as in Python 3.13)."""
+        for transport in list(self._transports):
+            transport.close()
+
+    def abort_clients(self) -> None:
+        for transport in list(self._transports):
+            transport.abort()
 
     async def __aenter__(self) -> Server:
         return self
@@ -451,3 +476,107 @@ async def start_server(
         start_serving=start_serving,
     )
     return Server(server, tasks, devices)
+
+
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+async def create_connection(
+    protocol_factory: ProtocolFactory,
+    host: str,
+    port: int,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: RdmaBackend | None = None,
+) -> tuple[Transport, asyncio.BaseProtocol]:
+    """``loop.create_connection`` over aiordma: connect (TCP handshake, then RDMA if both sides
+    can, see :func:`aiordma.connect`), call ``protocol_factory()`` and its ``connection_made``,
+    and return ``(transport, protocol)``.  The peer is an aiordma byte-stream server
+    (:func:`create_server`, :func:`start_server` or :func:`aiordma.create_listener`).
+
+    Raises ``ConnectionRefusedError``/``OSError`` as asyncio does when TCP cannot connect,
+    ``ConnectionResetError`` when the handshake failed, :class:`aiordma.RDMAUnavailableError`
+    for ``transport="rdma"`` without a usable device."""
+    opts = make_options(
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+    )
+    try:
+        core = await _open(host, port, Mode.STREAM, opts)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        raise ConnectionResetError(f"the connection failed during the handshake: {exc}") from exc
+    protocol = protocol_factory()
+    tr = Transport(core, protocol, asyncio.get_running_loop())
+    try:
+        tr._start()
+    except BaseException:
+        tr.abort()
+        raise
+    return tr, protocol
+
+
+async def create_server(
+    protocol_factory: ProtocolFactory,
+    host: str | None = None,
+    port: int | None = None,
+    *,
+    transport: str | None = None,
+    ssl: _ssl.SSLContext | None = None,
+    backlog: int = 100,
+    start_serving: bool = True,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    rdma_backend: RdmaBackend | None = None,
+) -> Server:
+    """``loop.create_server`` over aiordma: for each client, once its aiordma handshake completed,
+    ``protocol_factory()`` gets a :class:`Transport` (``connection_made``).  Returns a
+    :class:`Server` (an ``asyncio.AbstractServer``: ``async with``, ``serve_forever``, ``close``,
+    ``wait_closed``, ``sockets``; ``close_clients``/``abort_clients`` close the transports).
+    A client whose handshake fails never reaches the factory."""
+    opts: Options = make_options(
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+    )
+    local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    transports: set[Transport] = set()
+    devices = DeviceHold()
+
+    async def handshake(link: AsyncioLink) -> None:
+        core = link.core
+        if not await accept_handshake(core, opts, devices):
+            return
+        try:
+            protocol = protocol_factory()
+        except Exception as exc:
+            loop.call_exception_handler({"message": "the protocol factory failed", "exception": exc})
+            await core.aclose()
+            return
+        tr = Transport(core, protocol, loop, on_lost=transports.discard)
+        transports.add(tr)
+        try:
+            tr._start()
+        except Exception as exc:
+            loop.call_exception_handler({"message": "connection_made() failed", "exception": exc, "transport": tr})
+            tr.abort()
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
+
+    def on_made(link: AsyncioLink) -> None:
+        task = loop.create_task(handshake(link))
+        tasks.add(task)
+        task.add_done_callback(done)
+
+    server = await loop.create_server(
+        lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
+        host,
+        port or 0,
+        ssl=ssl,
+        backlog=backlog,
+        start_serving=start_serving,
+    )
+    return Server(server, tasks, devices, transports)

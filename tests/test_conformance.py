@@ -53,12 +53,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _pair_args(kind: str) -> tuple[str, RdmaBackend | None]:
-    """The pair kind and RDMA backend of a test kind (a variant names a config)."""
+def _pair_args(kind: str, extra: dict[str, Any] | None = None) -> tuple[str, RdmaBackend | None]:
+    """The pair kind and RDMA backend of a test kind (a variant names a config; ``extra``:
+    more RdmaConfig fields, for the RDMA kinds)."""
     if kind not in VARIANTS:
-        return kind, None
-    base, fields = VARIANTS[kind]
-    config = RdmaConfig(**fields)
+        if not extra or kind not in ("sim", "rdma"):
+            return kind, None
+        base, fields = kind, {}
+    else:
+        base, fields = VARIANTS[kind]
+    config = RdmaConfig(**{**fields, **(extra or {})})
     return base, simulated_backend(config) if base == "sim" else RdmaBackend(config)
 
 SMALL_LIMIT = 64 * 1024
@@ -77,8 +81,9 @@ async def streams(kind: str) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stre
 
 
 @asynccontextmanager
-async def channels(kind: str, limit: int = SMALL_LIMIT) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:
-    base, backend = _pair_args(kind)
+async def channels(kind: str, limit: int = SMALL_LIMIT,
+                   config: dict[str, Any] | None = None) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:  # fmt: skip
+    base, backend = _pair_args(kind, config)
     async with no_fd_leak():
         async with channel_pair(base, max_message_size=limit, rdma_backend=backend) as pair:  # type: ignore[arg-type]
             yield pair

@@ -16,6 +16,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 from aiordma._errors import RemoteProtocolError
 from aiordma._rdma.constants import WCOpcode, WCStatus
 from aiordma._rdma.params import RdmaParams
-from aiordma._rdma.session import SQ_BIT, RdmaSession, Ring
+from aiordma._rdma.session import SQ_BIT, RdmaSession, Ring, detach_views, queue_views
 from aiordma._rdma.states import LinkState
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -271,3 +273,47 @@ def test_send_queue_never_overruns_with_a_small_granted_depth() -> None:
         if b.wire:
             deliver(b, a)
     assert b.received == b"y" * 10_000
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.booleans()), min_size=1, max_size=30),
+       st.integers(0, 2000))  # fmt: skip
+def test_detach_copies_only_the_calls_own_unposted_views(calls: list[tuple[list[int], bool]], posted: int) -> None:
+    """Each write detaches its own views (and only those) from the caller's buffers: the bytes
+    sent are what was written even if the caller reuses its buffer, and a write behind a long
+    backlog does not walk (or copy again) what earlier writes queued."""
+    class Counting(deque):  # type: ignore[type-arg]
+        reads = 0
+
+        def __getitem__(self, index: Any) -> Any:
+            Counting.reads += 1
+            return super().__getitem__(index)
+
+    backlog: deque[memoryview] = Counting()
+    enqueued = 0
+    expected = bytearray()
+    sources: list[bytearray] = []
+    for sizes, mutable in calls:
+        chunks: list[bytes | bytearray] = []
+        for size in sizes:
+            data = bytes(random.randrange(256) for _ in range(size))
+            expected += data
+            if mutable:
+                buf = bytearray(data)
+                sources.append(buf)
+                chunks.append(buf)
+            else:
+                chunks.append(data)
+        before_ids = [id(v) for v in backlog]
+        added = queue_views(backlog, chunks)
+        end = enqueued + added
+        enqueued = end
+        mark = min(posted, enqueued - added)  # (nothing this call queued is posted yet)
+        Counting.reads = 0
+        detach_views(backlog, enqueued, mark, end, added)
+        assert Counting.reads <= len(sizes)  # its own views only: linear in the writes, not the backlog
+        assert [id(v) for v in list(backlog)[: len(before_ids)]] == before_ids  # earlier views untouched
+        for view in list(backlog)[len(before_ids) :]:
+            assert isinstance(view.obj, bytes)  # this call's views no longer point at its buffers
+    for buf in sources:
+        buf[:] = b"\0" * len(buf)  # the callers reuse their buffers
+    assert b"".join(bytes(v) for v in backlog) == bytes(expected)

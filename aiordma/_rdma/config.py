@@ -60,8 +60,11 @@ class RdmaConfig:
     #: messages of at least this many bytes go by rendezvous on the native path: the sender
     #: stages them in a registered region the peer may READ, the receiver READs them straight into
     #: its buffer (``receive_into``: zero copy into registered memory) -- no 64 KiB SENDs.
-    #: 0: never.  (See docs/architecture.md and the figures in docs/benchmarks.md.)
-    rendezvous: int = 256 << 10
+    #: 0: never.  The default is measured (docs/benchmarks.md, "Where the rendezvous pays"): on
+    #: Soft-RoCE the SEND slots were faster up to 4 MiB and the rendezvous from 16 MiB; an RNIC,
+    #: where copies and not the wire are the cost, is expected to cross far lower -- measure with
+    #: ``benchmarks/zerocopy_bench.py --transports rdma rdma-send --rendezvous 4K``.
+    rendezvous: int = 8 << 20
     #: rendezvous bytes a connection may have staged for its peer at once (a send waits beyond;
     #: one message larger than this still goes, alone); a byte stream is staged in pieces of
     #: half of it.  This is the sender's "socket buffer" for large writes.

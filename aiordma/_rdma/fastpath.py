@@ -379,10 +379,10 @@ class NativeSession:
         self.enqueued += queue_views(self._backlog, chunks)
         return self.enqueued
 
-    def detach(self, end: int) -> None:
+    def detach(self, end: int, count: int | None = None) -> None:
         """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers
         (see :func:`~aiordma._rdma.session.detach_views`)."""
-        detach_views(self._backlog, self.enqueued, self.posted_bytes, end)
+        detach_views(self._backlog, self.enqueued, self.posted_bytes, end, count)
 
     def flush(self) -> list[SendWork]:
         """Post what the backlog and the credits allow (C posts); nothing is left for the link."""

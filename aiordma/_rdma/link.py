@@ -656,8 +656,9 @@ class RdmaLink(Link):
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue and post what can be posted now; ``drain`` waits for the rest."""
+        before = self.session.enqueued if self.session is not None else 0
         session, end = self._queue_and_post(chunks)
-        session.detach(end)
+        session.detach(end, end - before)
 
     @property
     def paused_writing(self) -> bool:
@@ -668,12 +669,13 @@ class RdmaLink(Link):
         session = self.session
         return session is None or session.error is not None or self._tcp_lost or self._closing
 
-    async def drain(self) -> None:
+    async def drain(self, low: int = 0) -> None:
+        """Wait until at most ``low`` queued bytes are not posted yet."""
         session = self.session
         assert session is not None
         wanted = False
         try:
-            while session.posted_bytes < session.enqueued:
+            while session.enqueued - session.posted_bytes > low:
                 self._check_usable()
                 if self._native and not wanted and session.blocked_on_sends:
                     wanted = self._want_sends()

@@ -108,14 +108,18 @@ def queue_views(backlog: deque[memoryview], chunks: Sequence[bytes | bytearray |
     return added
 
 
-def detach_views(backlog: deque[memoryview], enqueued: int, posted: int, end: int) -> None:
+def detach_views(backlog: deque[memoryview], enqueued: int, posted: int, end: int, count: int | None = None) -> None:
     """Copy the unposted part of the bytes queued up to ``end`` out of the callers' buffers.
 
     For a send that returns before its bytes were posted (asyncio's ``write``, a cancelled
     ``send``): its views must not outlive the call.  What it queued is still sent, whole and in
-    order.  ``enqueued``/``posted``: the byte marks of everything queued and posted so far.
+    order.  ``enqueued``/``posted``: the byte marks of everything queued and posted so far;
+    ``count``: how many bytes before ``end`` the call queued (its own views: the walk stops
+    there, so that many writes behind a long backlog stay linear), else all unposted ones.
     """
     remaining = end - posted
+    if count is not None and count < remaining:
+        remaining = count
     if remaining <= 0:
         return
     tail = enqueued - end  # bytes queued after ``end`` (by others)
@@ -284,10 +288,10 @@ class RdmaSession:
         self.enqueued += queue_views(self._backlog, chunks)
         return self.enqueued
 
-    def detach(self, end: int) -> None:
+    def detach(self, end: int, count: int | None = None) -> None:
         """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers
         (see :func:`detach_views`)."""
-        detach_views(self._backlog, self.enqueued, self.posted_bytes, end)
+        detach_views(self._backlog, self.enqueued, self.posted_bytes, end, count)
 
     @property
     def backlog(self) -> bool:

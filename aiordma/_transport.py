@@ -1,0 +1,432 @@
+"""asyncio's Transport/Protocol API over an aiordma connection (``aiordma.asyncio``).
+
+:class:`AiordmaTransport` is an ``asyncio.Transport`` on a :class:`~aiordma._core.Core`, TCP or
+RDMA alike.  It calls its protocol as asyncio's own TCP transport does:
+
+* ``connection_made(transport)`` first (before ``create_connection`` returns; on a server, once
+  the aiordma handshake completed);
+* ``data_received(bytes)`` -- or, for an ``asyncio.BufferedProtocol``, ``get_buffer(n)`` then
+  ``buffer_updated(nbytes)`` -- for received stream bytes, in order, never while reading is
+  paused;
+* ``eof_received()`` once when the peer ended its side (``write_eof``/``close``); a falsy
+  return closes the transport, a true one keeps it open for writing;
+* ``pause_writing()`` / ``resume_writing()`` around the write-buffer high and low marks;
+* ``connection_lost(exc)`` exactly once, last: ``None`` after ``close()``/``abort()`` or an
+  orderly end, a ``ConnectionResetError`` (its ``__cause__`` the aiordma error) when the
+  connection failed.
+
+Theory of operation
+-------------------
+The transport does not run a task per connection.  On TCP the link (an asyncio protocol itself)
+calls :meth:`AiordmaTransport._wake` right after it fed the Core -- inside the socket's read
+callback, where asyncio's transport calls ``data_received`` too.  The RDMA link wakes its waiters
+from inside the completion handler, where no user code may run: there the transport waits like
+any reader, on the future of ``link.incoming()``, and delivers from that future's callback (one
+loop turn later, outside the handler).  Bytes pass from the Core's receive buffer to the protocol
+with one copy (into ``bytes``, or into the ``BufferedProtocol``'s buffer).
+
+Writing never blocks: ``write`` frames the bytes and queues them on the link.  On TCP the write
+buffer and its limits are the TCP transport's; on RDMA they are the bytes queued but not yet
+posted to the send queue (the NIC owns what was posted).  Writes go through the SEND slots; a
+write is never turned into a rendezvous here (that needs an await).
+
+Closing: ``close()`` sends aiordma's CLOSE after what was written, releases the link (on RDMA:
+QP to error, flushes drained, memory deregistered) and then calls ``connection_lost(None)``;
+``abort()`` drops what was not sent and calls it at once (the link is released in the
+background by its own, owned teardown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._core import Core
+from ._protocol import Half
+
+__all__ = ["AiordmaTransport"]
+
+log = logging.getLogger("aiordma")
+
+_DEFAULT_HIGH = 64 << 10
+
+
+def _reset(core: Core) -> ConnectionResetError:
+    err = ConnectionResetError(f"the connection is broken: {core.error}")
+    err.__cause__ = core.error
+    return err
+
+
+class AiordmaTransport(asyncio.Transport):
+    """An ``asyncio.Transport`` over an aiordma connection (see the module docs)."""
+
+    def __init__(self, core: Core, protocol: asyncio.BaseProtocol, loop: asyncio.AbstractEventLoop,
+                 on_lost: Callable[[AiordmaTransport], None] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self._core = core
+        self._link: Any = core.link
+        self._proto = core.proto
+        self._loop = loop
+        self._protocol = protocol
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
+        self._on_lost = on_lost
+        self._tcp = hasattr(self._link, "listener")  # AsyncioLink: direct callbacks
+        self._fast = self._tcp and not self._buffered
+        self._reading = True
+        self._closing = False  # close() or abort() was called, or the connection ended
+        self._lost_called = False
+        self._eof_delivered = False
+        self._eof_sent = False
+        self._armed: asyncio.Future[None] | None = None
+        self._delivering = False
+        self._writes_dropped = 0
+        self._protocol_paused = False
+        self._high = _DEFAULT_HIGH
+        self._low = _DEFAULT_HIGH // 4
+        self._drainer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
+
+    # -- start --------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Call ``connection_made`` and start delivering (what arrived already goes first)."""
+        self._protocol.connection_made(self)
+        if self._tcp:
+            self._link.listener = self._wake
+            self._link.write_listener = self._tcp_write_paused
+        self._loop.call_soon(self._wake)
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """The link fed the Core or ended: deliver what there is to the protocol."""
+        if self._delivering or self._closing:
+            return  # (after close() or abort() nothing more is delivered, as with asyncio)
+        core = self._core
+        if self._fast and self._reading and not core.peer_eof and core.error is None:
+            # the hot path (TCP, a plain Protocol, bytes arrived): what asyncio's transport does
+            rbuf = core.rbuf
+            if not rbuf:
+                return
+            data = bytes(rbuf)
+            rbuf.clear()
+            link = self._link
+            if link._paused_reading:
+                link.consumed()
+            self._delivering = True
+            try:
+                self._protocol.data_received(data)  # type: ignore[attr-defined]
+            except Exception as exc:
+                self._fatal(exc, "Fatal error: protocol.data_received() call failed")
+            finally:
+                self._delivering = False
+            if not rbuf:
+                return
+        self._delivering = True
+        try:
+            self._deliver()
+        except Exception as exc:  # the protocol's callback raised: asyncio's fatal error
+            self._fatal(exc, "Fatal error: protocol callback raised")
+        finally:
+            self._delivering = False
+        if not self._tcp and not self._closing and self._reading and self._armed is None:
+            # (not while reading is paused: a waiting reader makes the RDMA link return its
+            # credits, and a paused protocol wants the peer held back)
+            self._arm()
+
+    def _arm(self) -> None:
+        wait = self._link.incoming()
+        fut: asyncio.Future[None] = asyncio.ensure_future(wait)  # a future (a link that is done: a coroutine)
+        self._armed = fut
+        fut.add_done_callback(self._woken)
+
+    def _woken(self, fut: asyncio.Future[None]) -> None:
+        self._armed = None
+        if not fut.cancelled() and fut.exception() is not None:  # pragma: no cover - links do not fail waits
+            self._fatal(fut.exception(), "Fatal error: the link's wait failed")  # type: ignore[arg-type]
+            return
+        self._wake()
+
+    def _deliver(self) -> None:
+        core = self._core
+        rbuf = core.rbuf
+        protocol = self._protocol
+        link = self._link
+        if core.error is not None and not (rbuf and self._reading):
+            self._fatal(_reset(core), None)
+            return
+        while rbuf and self._reading and not self._closing:
+            if self._buffered:
+                n = len(rbuf)
+                buf = protocol.get_buffer(n)  # type: ignore[attr-defined]
+                with memoryview(buf) as out:
+                    size = out.nbytes
+                    if size == 0:
+                        raise RuntimeError("get_buffer() returned an empty buffer")
+                    take = min(n, size)
+                    with memoryview(rbuf) as src:
+                        out.cast("B")[:take] = src[:take]
+                del rbuf[:take]
+                if link.needs_consumed:
+                    link.consumed()
+                protocol.buffer_updated(take)  # type: ignore[attr-defined]
+            else:
+                data = bytes(rbuf)
+                rbuf.clear()
+                if link.needs_consumed:
+                    link.consumed()
+                protocol.data_received(data)  # type: ignore[attr-defined]
+        if rbuf or self._closing or not self._reading:
+            return
+        if core.error is not None:  # (after the bytes that came before it)
+            self._fatal(_reset(core), None)
+            return
+        if core.peer_eof and not self._eof_delivered:
+            self._eof_delivered = True
+            keep_open = protocol.eof_received()  # type: ignore[attr-defined]
+            if not keep_open or core.peer_close is not None and self._eof_sent:
+                self.close()
+                return
+        if link.lost and not self._closing:
+            # the connection ended without an error after the peer's CLOSE: release our side
+            self._closing = True
+            self._close_link(b"", None)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if data.__class__ is not bytes and not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
+        if self._eof_sent:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if not data:
+            return
+        core = self._core
+        link = self._link
+        if self._closing or link.lost or core.error is not None or core.peer_close is not None:
+            # as asyncio's transport: writes to a lost connection are dropped, and said so
+            self._writes_dropped += 1
+            if self._writes_dropped == 5:
+                log.warning("aiordma: write() on a lost connection (the data is dropped)")
+            return
+        chunks = self._proto.send_data(data)
+        writer = link.direct_writer
+        if writer is not None:  # TCP: the TCP transport buffers and pauses us itself
+            if len(chunks) == 1:
+                writer.write(chunks[0])
+            else:
+                for chunk in chunks:
+                    writer.write(chunk)
+            return
+        try:
+            link.write_nowait(chunks)
+        except Exception as exc:
+            self._fatal(exc, "Fatal write error on the RDMA link")
+            return
+        if not self._protocol_paused and self.get_write_buffer_size() > self._high:
+            self._pause_protocol()
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if self._eof_sent or self._closing:
+            return
+        self._eof_sent = True
+        core = self._core
+        if core.error is not None or self._link.lost or self._proto.send_half is not Half.OPEN:
+            return
+        try:
+            self._link.write_nowait([self._proto.send_eof()])
+        except Exception as exc:
+            self._fatal(exc, "Fatal error sending EOF")
+            return
+        if core.peer_eof and self._eof_delivered:
+            self.close()  # both sides ended: nothing more can happen
+
+    def get_write_buffer_size(self) -> int:
+        if self._tcp:
+            writer = self._link.direct_writer
+            return int(writer.get_write_buffer_size()) if writer is not None else 0
+        session = self._link.session
+        return 0 if session is None else int(session.enqueued - session.posted_bytes)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        if self._tcp and self._link.direct_writer is not None:
+            limits: tuple[int, int] = self._link.direct_writer.get_write_buffer_limits()
+            return limits
+        return (self._low, self._high)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = _DEFAULT_HIGH if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+        if self._tcp and self._link.direct_writer is not None:
+            self._link.direct_writer.set_write_buffer_limits(high, low)
+        elif not self._protocol_paused and self.get_write_buffer_size() > high:
+            self._pause_protocol()
+
+    def _tcp_write_paused(self, paused: bool) -> None:
+        if paused:
+            self._pause_protocol()
+        else:
+            self._resume_protocol()
+
+    def _pause_protocol(self) -> None:
+        if self._protocol_paused or self._lost_called:
+            return
+        self._protocol_paused = True
+        try:
+            self._protocol.pause_writing()
+        except Exception as exc:
+            self._loop.call_exception_handler({"message": "protocol.pause_writing() failed", "exception": exc,
+                                               "transport": self, "protocol": self._protocol})  # fmt: skip
+        if not self._tcp and self._drainer is None:
+            self._drainer = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """RDMA: wait until the unposted bytes are at the low mark, then resume the protocol."""
+        try:
+            await self._link.drain(self._low)
+        except Exception:
+            return  # the connection failed: the wake that follows reports it
+        finally:
+            self._drainer = None
+        self._resume_protocol()
+
+    def _resume_protocol(self) -> None:
+        if not self._protocol_paused or self._lost_called:
+            return
+        self._protocol_paused = False
+        try:
+            self._protocol.resume_writing()
+        except Exception as exc:
+            self._loop.call_exception_handler({"message": "protocol.resume_writing() failed", "exception": exc,
+                                               "transport": self, "protocol": self._protocol})  # fmt: skip
+
+    # -- reading control ----------------------------------------------------------------------
+
+    def is_reading(self) -> bool:
+        return self._reading and not self._closing
+
+    def pause_reading(self) -> None:
+        """Stop calling ``data_received``.  The link keeps up to its receive high mark (1 MiB)
+        buffered, then stops reading the socket (TCP) or stops returning credits (RDMA)."""
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        if self._reading:
+            return
+        self._reading = True
+        if not self._lost_called:
+            self._loop.call_soon(self._wake)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        """Send what was written and CLOSE, release the connection, then ``connection_lost(None)``."""
+        if self._closing:
+            return
+        self._closing = True
+        core = self._core
+        final = self._proto.close() if core.error is None and not core.closed else b""
+        self._close_link(final, None)
+
+    def abort(self) -> None:
+        """Drop what was not sent; ``connection_lost(None)`` comes at once (the link's teardown runs on)."""
+        first = not self._closing
+        self._closing = True
+        core = self._core
+        if first or not core.closed:
+            core.closed = True
+            abort = getattr(self._link, "abort", None)
+            if abort is not None:
+                abort()
+            else:
+                self._link.close_nowait(b"")
+        self._loop.call_soon(self._call_connection_lost, None)
+
+    def _close_link(self, final: bytes, exc: BaseException | None) -> None:
+        core = self._core
+        core.closed = True
+        if self._armed is not None:
+            self._armed.cancel()
+            self._armed = None
+        self._link.close_nowait(final)
+        self._closer = self._loop.create_task(self._finish_close(exc))
+
+    async def _finish_close(self, exc: BaseException | None) -> None:
+        try:
+            await self._link.wait_closed()
+        except Exception as err:  # the teardown failed: still the end of the connection
+            log.warning("aiordma: closing the connection failed: %r", err)
+        finally:
+            self._call_connection_lost(exc)
+
+    def _fatal(self, exc: BaseException, message: str | None) -> None:
+        if message is not None and not isinstance(exc, OSError):
+            self._loop.call_exception_handler({"message": message, "exception": exc,
+                                               "transport": self, "protocol": self._protocol})  # fmt: skip
+        if self._lost_called:
+            return
+        if not self._closing:
+            self._closing = True
+            self._core.closed = True
+            self._link.close_nowait(b"")
+        self._loop.call_soon(self._call_connection_lost, exc)
+
+    def _call_connection_lost(self, exc: BaseException | None) -> None:
+        if self._lost_called:
+            return
+        self._lost_called = True
+        if self._tcp:
+            self._link.listener = None
+            self._link.write_listener = None
+        if self._armed is not None:
+            self._armed.cancel()
+            self._armed = None
+        if self._drainer is not None:
+            self._drainer.cancel()
+        try:
+            self._protocol.connection_lost(exc)  # type: ignore[arg-type]
+        finally:
+            if self._on_lost is not None:
+                self._on_lost(self)
+
+    # -- the rest of asyncio.Transport ---------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        core = self._core
+        if name == "aiordma_transport":
+            return core.transport
+        if name == "aiordma_fallback_reason":
+            return core.fallback_reason
+        transport = self._link.transport
+        if transport is None:
+            return default
+        return transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
+        self._fast = self._tcp and not self._buffered
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def __repr__(self) -> str:
+        state = "closed" if self._lost_called else "closing" if self._closing else "open"
+        return f"<aiordma.asyncio.Transport {self._core.transport} {state}>"
