@@ -74,6 +74,22 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess[str]:
             id="channel_asyncio",
         ),
         pytest.param(
+            "protocol_echo.py",
+            (),
+            ["client: 300000 bytes echoed, intact"],
+            id="protocol_echo",
+        ),
+        pytest.param(
+            "grpc_service.py",
+            (),
+            [
+                "unary: Reverse -> b'amdroia revo olleh'",
+                "stream: Running 1..5 -> [1, 3, 6, 10, 15]",
+                "grpc: all answers correct",
+            ],
+            id="grpc_service",
+        ),
+        pytest.param(
             "channel_example.py",
             ("--backend", "trio"),
             ["channel: message boundaries kept, empty messages included"],
@@ -92,7 +108,7 @@ def test_example_runs(name: str, args: tuple[str, ...], key_lines: list[str]) ->
 
 
 def test_examples_honour_transport_tcp() -> None:
-    for name in ("echo_asyncio.py", "trio_example.py", "channel_example.py"):
+    for name in ("echo_asyncio.py", "trio_example.py", "channel_example.py", "protocol_echo.py", "grpc_service.py"):
         proc = run_example(name, "--transport", "tcp")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "fallback reason: client: transport='tcp' was requested" in proc.stdout.splitlines()
