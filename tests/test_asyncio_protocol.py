@@ -214,7 +214,7 @@ async def opened(net: Net, server_kw: dict[str, Any], client_kw: dict[str, Any])
 
 
 async def sc_echo_then_client_eof(net: Net, buffered: bool) -> Any:
-    payload = bytes(range(256)) * 400
+    payload = bytes(range(256)) * 80  # (in 7-byte buffers: ~3000 deliveries and echoes)
     async with opened(net, {"echo": True, "buffered": buffered}, {"buffered": buffered}) as (client, server, _):
         for i in range(0, len(payload), 10000):
             client.transport.write(payload[i : i + 10000])
