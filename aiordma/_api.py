@@ -32,9 +32,10 @@ from ._core import Core, Link
 from ._memory import RegisteredMemory
 from ._onesided import RemoteBuffer
 from ._errors import HandshakeError, RDMAUnavailableError
+from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
 from ._links import AsyncioLink, StreamLink
-from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_transport, server_handshake
-from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
+from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_auth, resolve_transport, server_handshake
+from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, CloseCode, Connection, Mode, Role
 from ._rdma.config import RdmaBackend
 from ._rdma.device import DeviceHold
 
@@ -71,11 +72,16 @@ class Options:
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     #: the RDMA backend (``aiordma.RdmaBackend``); None: the default one
     backend: RdmaBackend | None = None
+    #: the pre-shared key of the handshake's authentication (None: none)
+    auth: bytes | None = None
+    #: a listener's limits and counters (None on clients)
+    budget: ListenerBudget | None = None
 
     def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
         return Connection(
-            role, mode, now=now, max_message_size=self.max_message_size, handshake_timeout=self.handshake_timeout
-        )
+            role, mode, now=now, max_message_size=self.max_message_size, handshake_timeout=self.handshake_timeout,
+            auth_key=self.auth,
+        )  # fmt: skip
 
 
 def make_options(
@@ -87,8 +93,11 @@ def make_options(
     *,
     server: bool,
     backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    budget: ListenerBudget | None = None,
 ) -> Options:
     choice = resolve_transport(transport)
+    key = resolve_auth(auth)
     context: _ssl.SSLContext | None
     if ssl is True:
         if server:
@@ -100,7 +109,7 @@ def make_options(
         context = ssl
     if server_hostname is not None and context is None:
         raise ValueError("server_hostname is only meaningful with ssl")
-    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend)
+    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget)
 
 
 class _Guard:
@@ -292,8 +301,17 @@ async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = 
     """Run a server's handshake; a client that fails it is logged and dropped (False).
 
     ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
+    budget = opts.budget
+    if budget is not None:
+        refusal = budget.begin_handshake()
+        if refusal is not None:
+            log.warning("aiordma: refused a client: %s", refusal)
+            core.closed = True
+            with anyio.CancelScope(shield=True):
+                await core.link.aclose(core.proto.close(CloseCode.REFUSED, refusal))
+            return False
     try:
-        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend)
+        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend, budget=budget)
     except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
         log.info("aiordma: dropped a client during the handshake: %s", exc)
         await _discard(core)
@@ -301,6 +319,9 @@ async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = 
     except BaseException:
         await _discard(core)
         raise
+    finally:
+        if budget is not None:
+            budget.end_handshake()
     if hold is not None and core.transport == "rdma":
         hold.keep(core.link)
     return True
@@ -345,6 +366,7 @@ async def connect(
     server_hostname: str | None = None,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
 ) -> Stream:
     """Connect to an aiordma byte-stream listener; returns a :class:`Stream`.
 
@@ -360,7 +382,9 @@ async def connect(
     timeouts (``RdmaBackend(RdmaConfig(...))``); tests inject failing ones.
     """
     opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
+        backend=rdma_backend,
+        auth=auth,
     )
     return Stream(await _open(host, port, Mode.STREAM, opts))
 
@@ -375,6 +399,7 @@ async def connect_channel(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
 ) -> Channel:
     """Connect to an aiordma channel listener; returns a :class:`Channel`.
 
@@ -382,7 +407,9 @@ async def connect_channel(
     limit bounds what we may send).  Other arguments as for :func:`connect`.
     """
     opts = make_options(
-        transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False, backend=rdma_backend
+        transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False,
+        backend=rdma_backend,
+        auth=auth,
     )
     return Channel(await _open(host, port, Mode.MESSAGES, opts))
 
@@ -560,6 +587,10 @@ async def create_listener(
     backlog: int = 100,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_rdma_connections: int | None = None,
+    max_pinned_bytes: int | None = None,
 ) -> StreamListener:
     """Listen for aiordma byte streams on ``host``/``port`` (port 0: any free port).
 
@@ -567,7 +598,10 @@ async def create_listener(
     at once when this host cannot do RDMA, and refuses clients that cannot.
     """
     opts = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
+        backend=rdma_backend,
+        auth=auth,
+        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, backlog), opts)
 
@@ -582,9 +616,16 @@ async def create_channel_listener(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_rdma_connections: int | None = None,
+    max_pinned_bytes: int | None = None,
 ) -> ChannelListener:
     """Listen for aiordma message channels; see :func:`create_listener`."""
     opts = make_options(
-        transport, ssl, None, max_message_size, handshake_timeout, server=True, backend=rdma_backend
+        transport, ssl, None, max_message_size, handshake_timeout, server=True,
+        backend=rdma_backend,
+        auth=auth,
+        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, backlog), opts)

@@ -44,7 +44,7 @@ from typing import Any
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
-from ._errors import BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
+from ._errors import AuthenticationError, BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._io import IOBackend, Watch, current_checkpoint
 from ._onesided import OneSided
 from ._protocol import (
@@ -447,7 +447,9 @@ class Core:
             return
         error = self.error
         self.closed = True
-        if error is not None and isinstance(error, (ProtocolError, HandshakeError)):
+        if isinstance(error, AuthenticationError):
+            final = self.proto.close(CloseCode.REFUSED, str(error))
+        elif error is not None and isinstance(error, (ProtocolError, HandshakeError)):
             final = self.proto.close(CloseCode.PROTOCOL_ERROR, str(error))
         elif error is not None:
             final = b""

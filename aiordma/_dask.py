@@ -57,6 +57,10 @@ Configuration (Dask config, read when a comm or listener is made; in the environ
 ``distributed.comm.rdma.transport``
     ``"auto"``, ``"rdma"`` (strict) or ``"tcp"``; ``None`` (the default): aiordma's default,
     ``$AIORDMA_TRANSPORT`` or else ``"auto"``.
+``distributed.comm.rdma.auth``
+    The pre-shared key of aiordma's handshake authentication (``None``, the default:
+    ``$AIORDMA_AUTH`` if set, else none).  A connect refused for its key is a
+    ``FatalCommClosedError``.
 ``distributed.comm.rdma.max-message-size``
     The largest aiordma message this side accepts (default 16 MiB, at least 1 MiB); it bounds
     the pieces the peer sends large frames in, never the frames.
@@ -94,7 +98,7 @@ from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
 from ._api import Channel, ChannelListener, connect_channel, create_channel_listener
 from ._attributes import TransportAttribute
-from ._errors import AiordmaError, RDMAUnavailableError
+from ._errors import AiordmaError, AuthenticationError, RDMAUnavailableError
 from ._memory import RegisteredMemory, register
 from ._negotiate import resolve_transport
 from ._rdma.config import RdmaBackend
@@ -120,7 +124,9 @@ RDMA_PIECE = 8 << 20
 #: the smallest ``max-message-size`` accepted (a head with its inline frames must fit)
 MIN_MESSAGE_SIZE = 1 << 20
 
-_DEFAULTS: dict[str, Any] = {"transport": None, "max-message-size": "16 MiB", "register-threshold": "1 MiB"}
+_DEFAULTS: dict[str, Any] = {
+    "transport": None, "max-message-size": "16 MiB", "register-threshold": "1 MiB", "auth": None,
+}  # fmt: skip
 dask.config.update_defaults({"distributed": {"comm": {"rdma": dict(_DEFAULTS)}}})
 
 #: what ends a connection: mapped to CommClosedError (OSError covers timeouts and refusals)
@@ -140,6 +146,7 @@ class Settings:
     transport: str | None
     max_message_size: int
     register_threshold: int  # 0: never register
+    auth: str | None = None  # the handshake's pre-shared key (None: $AIORDMA_AUTH, if set)
 
     @classmethod
     def from_config(cls, transport: str | None = None) -> Settings:
@@ -152,7 +159,8 @@ class Settings:
         max_message_size = max(MIN_MESSAGE_SIZE, _parse_size(get("max-message-size")))
         threshold = get("register-threshold")
         register_threshold = 0 if threshold is False or threshold is None else _parse_size(threshold)
-        return cls(transport, max_message_size, register_threshold)
+        auth = get("auth")
+        return cls(transport, max_message_size, register_threshold, None if auth in (None, "") else str(auth))
 
 
 def _parse_size(value: Any) -> int:
@@ -640,8 +648,9 @@ class RDMAConnector(Connector):
                 transport=settings.transport,
                 max_message_size=settings.max_message_size,
                 rdma_backend=self._backend.rdma_backend,
+                auth=settings.auth,
             )
-        except RDMAUnavailableError as exc:  # strict transport="rdma": retrying cannot help
+        except (RDMAUnavailableError, AuthenticationError) as exc:  # strict RDMA, a wrong key: retrying cannot help
             raise FatalCommClosedError(f"{PREFIX}{address}: {exc}") from exc
         except _CONNECTION_ERRORS as exc:
             raise CommClosedError(f"{PREFIX}{address}: {type(exc).__name__}: {exc}") from exc
@@ -699,6 +708,7 @@ class RDMAListener(BaseListener):
             backlog=backlog,
             max_message_size=settings.max_message_size,
             rdma_backend=self._backend.rdma_backend,
+            auth=settings.auth,
         )
         addresses = listener.addresses
         # listening on both IPv4 and IPv6: the IPv4 address first, as Dask's TCP listener

@@ -87,6 +87,11 @@ class HandshakeTimeoutError(HandshakeError, TimeoutError):
     """The peer did not complete the handshake before the deadline."""
 
 
+class AuthenticationError(HandshakeError):
+    """The handshake's mutual authentication failed: a wrong key, or a key on one side only
+    (``auth=`` / ``AIORDMA_AUTH``).  The message says which side and why."""
+
+
 class RDMAUnavailableError(AiordmaError, ConnectionError):
     """``transport="rdma"`` was required, but this connection cannot use RDMA.
 

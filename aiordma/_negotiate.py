@@ -29,9 +29,12 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import anyio
 
+from collections.abc import Callable
+
 from ._core import Core
-from ._errors import HandshakeError, RDMAUnavailableError
-from ._protocol import CAP_RDMA, CloseCode, Event, HelloReceived, TransportSelected
+from ._limits import ListenerBudget, ring_bytes
+from ._errors import AuthenticationError, HandshakeError, RDMAUnavailableError
+from ._protocol import CAP_RDMA, AuthChallenged, Authenticated, CloseCode, Event, HelloReceived, TransportSelected
 from ._rdma.config import RdmaBackend, RdmaSetupError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "TransportChoice",
     "resolve_transport",
+    "resolve_auth",
     "LocalOffer",
     "local_offer",
     "client_handshake",
@@ -49,7 +53,7 @@ __all__ = [
 TransportChoice = Literal["auto", "rdma", "tcp"]
 _CHOICES: tuple[TransportChoice, ...] = ("auto", "rdma", "tcp")
 
-E = TypeVar("E", HelloReceived, TransportSelected)
+E = TypeVar("E", HelloReceived, AuthChallenged, Authenticated, TransportSelected)
 
 
 def resolve_transport(transport: str | None) -> TransportChoice:
@@ -62,6 +66,24 @@ def resolve_transport(transport: str | None) -> TransportChoice:
         if transport == choice:
             return choice
     raise ValueError(f"{source}{transport!r} is not one of 'auto', 'rdma', 'tcp'")
+
+
+def resolve_auth(auth: str | bytes | bool | None) -> bytes | None:
+    """The pre-shared key: the argument (``False``: none, even if the environment has one),
+    else ``$AIORDMA_AUTH``, else none.  A ``str`` is taken as UTF-8."""
+    if auth is False:
+        return None
+    if auth is None or auth is True:
+        env = os.environ.get("AIORDMA_AUTH", "")
+        if not env:
+            if auth is True:
+                raise ValueError("auth=True needs a key in AIORDMA_AUTH")
+            return None
+        auth = env
+    key = auth.encode("utf-8") if isinstance(auth, str) else bytes(auth)
+    if not key:
+        raise ValueError("an empty auth key authenticates nothing (auth=False turns authentication off)")
+    return key
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,8 @@ async def _next_control(core: Core, kind: type[E]) -> E:
             raise HandshakeError(f"unexpected {type(event).__name__} during the handshake")
         if core.peer_close is not None:
             reason = core.peer_close.reason or "no reason given"
+            if core.peer_close.code == CloseCode.REFUSED and reason.startswith("authentication failed"):
+                raise AuthenticationError(f"the peer refused the connection: {reason}")
             if core.peer_close.code == CloseCode.REFUSED and "RDMA" in reason:
                 raise RDMAUnavailableError(f"the peer refused the connection: {reason}")
             raise HandshakeError(f"the peer closed the connection during the handshake: {reason}")
@@ -171,6 +195,9 @@ async def client_handshake(
                 )
             ]
         )
+        if proto.auth_key is not None:
+            await _next_control(core, AuthChallenged)  # (the protocol checked the server's proof)
+            await core.link.send([proto.send_auth_answer()])
         hello = (await _next_control(core, HelloReceived)).hello
         if endpoint is not None and not hello.can_rdma:
             reason = hello.no_rdma_reason or "server: offers no RDMA"
@@ -201,30 +228,48 @@ async def client_handshake(
 
 
 async def server_handshake(
-    core: Core, choice: TransportChoice, *, tls: bool = False, backend: RdmaBackend | None = None
+    core: Core, choice: TransportChoice, *, tls: bool = False, backend: RdmaBackend | None = None,
+    budget: ListenerBudget | None = None,
 ) -> None:
-    """Run the server's half of the handshake; on return the connection is open."""
+    """Run the server's half of the handshake; on return the connection is open.
+
+    ``budget``: the listener's limits; an RDMA connection over them gets TCP (or, strict, a
+    refusal) with the limit in the reason."""  # fmt: skip
     proto = core.proto
     hello = (await _next_control(core, HelloReceived)).hello
+    if proto.auth_key is not None:
+        # before anything is built for the client (RDMA resources come with our HELLO)
+        if hello.auth_nonce is None:
+            reason = "authentication failed: the server requires a key (auth= or AIORDMA_AUTH), the client sent none"
+            await _refuse(core, reason)
+            raise AuthenticationError(reason)
+        await core.link.send([proto.send_auth_challenge()])
+        await _next_control(core, Authenticated)  # (the protocol checked the client's proof)
     try:
         offer = local_offer(choice, "server", tls=tls, backend=backend)
     except RDMAUnavailableError as exc:
         await _refuse(core, f"server requires RDMA: {exc.reason}")
         raise
     endpoint: RdmaLink | None = None
+    release: Callable[[], None] | None = None  # the listener's budget, while not handed to the link
     reason = offer.reason
-    if offer.rdma and not hello.can_rdma:
-        reason = hello.no_rdma_reason or "client: offers no RDMA"
-    elif offer.rdma:
-        endpoint, reason = _open_endpoint(core, backend, "server")
-        if endpoint is not None:
-            try:
-                endpoint.connect(hello.rdma_params, _peer_ip(core))
-            except RdmaSetupError as exc:
-                reason = f"server: {exc}"
-                await endpoint.discard()
-                endpoint = None
     try:
+        if offer.rdma and not hello.can_rdma:
+            reason = hello.no_rdma_reason or "client: offers no RDMA"
+        elif offer.rdma:
+            reserved = budget.reserve_rdma(ring_bytes((backend or RdmaBackend()).config)) if budget else None
+            if isinstance(reserved, str):
+                reason = reserved  # over the listener's limits: nothing is built
+            else:
+                release = reserved
+                endpoint, reason = _open_endpoint(core, backend, "server")
+                if endpoint is not None:
+                    try:
+                        endpoint.connect(hello.rdma_params, _peer_ip(core))
+                    except RdmaSetupError as exc:
+                        reason = f"server: {exc}"
+                        await endpoint.discard()
+                        endpoint = None
         if choice == "rdma" and endpoint is None:
             reason = f"server requires RDMA; {reason}"
             await _refuse(core, reason)
@@ -241,6 +286,9 @@ async def server_handshake(
         if selected.transport == "rdma":
             assert endpoint is not None  # the protocol checked that both offered it
             endpoint.activate(core, core.link)
+            if release is not None:
+                endpoint.on_destroyed.append(release)  # (counted until its teardown ends)
+                release = None
             endpoint = None
         else:
             core.transport = "tcp"
@@ -248,3 +296,5 @@ async def server_handshake(
     finally:
         if endpoint is not None:
             await endpoint.discard()
+        if release is not None:
+            release()

@@ -35,12 +35,16 @@ attribute lookup costs several times a global one.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import os
 from collections import deque
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, Union
 
-from ._errors import HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
+from ._errors import AuthenticationError, HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
 from ._states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
 
 __all__ = [
@@ -53,6 +57,8 @@ __all__ = [
     "CAP_RDMA",
     "Hello",
     "HelloReceived",
+    "AuthChallenged",
+    "Authenticated",
     "TransportSelected",
     "Data",
     "Message",
@@ -104,11 +110,21 @@ KNOWN_CAPABILITIES: Final = CAP_RDMA
 
 EXT_RDMA_PARAMS: Final = 1
 EXT_NO_RDMA_REASON: Final = 2
+#: the client's authentication nonce (it has a key and asks the server to prove it has too)
+EXT_AUTH_NONCE: Final = 3
+AUTH_NONCE_SIZE: Final = 32
+AUTH_PROOF_SIZE: Final = 32  # HMAC-SHA-256
+#: AUTH payload: step u8 (1: the server's nonce and proof, 2: the client's proof) and its fields
+AUTH_CHALLENGE: Final = 1
+AUTH_ANSWER: Final = 2
+_AUTH_LABELS: Final = {Role.SERVER: b"aiordma auth v1 server\0", Role.CLIENT: b"aiordma auth v1 client\0"}
 
 
 class FrameType(enum.IntEnum):
     HELLO = 0x01
     SELECT = 0x02
+    #: mutual authentication with a pre-shared key (between the client's HELLO and the server's)
+    AUTH = 0x03
     DATA = 0x10
     MESSAGE = 0x11
     EOF = 0x12
@@ -151,6 +167,8 @@ class Hello:
     rdma_params: bytes | None = None
     #: Why this side offers no RDMA (readable; may be absent).
     no_rdma_reason: str | None = None
+    #: A client with a key: its nonce for the server's proof (absent: no authentication).
+    auth_nonce: bytes | None = None
 
     @property
     def can_rdma(self) -> bool:
@@ -163,6 +181,16 @@ class Hello:
 @dataclass(frozen=True, slots=True)
 class HelloReceived:
     hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class AuthChallenged:
+    """Client: the server proved it has the key; :meth:`Connection.send_auth_answer` is due."""
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    """Server: the client proved it has the key; the server's HELLO may follow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +231,10 @@ class ConnectionClosed:
     reason: str
 
 
-Event: TypeAlias = Union[HelloReceived, TransportSelected, Data, Message, MemoryFrame, EndOfStream, ConnectionClosed]
+Event: TypeAlias = Union[
+    HelloReceived, AuthChallenged, Authenticated, TransportSelected, Data, Message, MemoryFrame, EndOfStream,
+    ConnectionClosed,
+]  # fmt: skip
 #: what a MEMORY frame may carry beyond max_frame_size bytes of data (its fixed fields)
 MEMORY_OVERHEAD: Final = 64
 Chunk: TypeAlias = Union[bytes, memoryview]
@@ -284,6 +315,11 @@ def encode_hello(hello: Hello) -> bytes:
         raw = _encode_reason(hello.no_rdma_reason)
         parts.append(EXTENSION.pack(EXT_NO_RDMA_REASON, len(raw)))
         parts.append(raw)
+    if hello.auth_nonce is not None:
+        if len(hello.auth_nonce) != AUTH_NONCE_SIZE:
+            raise LocalProtocolError(f"an auth nonce is {AUTH_NONCE_SIZE} bytes")
+        parts.append(EXTENSION.pack(EXT_AUTH_NONCE, AUTH_NONCE_SIZE))
+        parts.append(hello.auth_nonce)
     return b"".join(parts)
 
 
@@ -304,6 +340,7 @@ def decode_hello(payload: bytes | memoryview) -> Hello:
         raise RemoteProtocolError(f"HELLO max_frame_size {max_frame} is below {MIN_FRAME_SIZE}")
     rdma_params: bytes | None = None
     reason: str | None = None
+    nonce: bytes | None = None
     pos = HELLO_FIXED.size
     end = len(payload)
     seen: set[int] = set()
@@ -325,6 +362,10 @@ def decode_hello(payload: bytes | memoryview) -> Hello:
             rdma_params = bytes(value)
         elif ext_type == EXT_NO_RDMA_REASON:
             reason = _decode_reason(value, "no-RDMA")
+        elif ext_type == EXT_AUTH_NONCE:
+            if ext_len != AUTH_NONCE_SIZE:
+                raise RemoteProtocolError(f"HELLO auth nonce of {ext_len} bytes, not {AUTH_NONCE_SIZE}")
+            nonce = bytes(value)
         # unknown extensions are skipped: later minor versions may add some
     if bool(caps & CAP_RDMA) != (rdma_params is not None):
         raise RemoteProtocolError("HELLO offers RDMA without parameters, or parameters without RDMA")
@@ -336,6 +377,7 @@ def decode_hello(payload: bytes | memoryview) -> Hello:
         version=(major, minor),
         rdma_params=rdma_params,
         no_rdma_reason=reason,
+        auth_nonce=nonce,
     )
 
 
@@ -361,6 +403,7 @@ def frame(ftype: FrameType, payload: bytes = b"") -> bytes:
 _CONTROL_LIMITS: Final[dict[int, int]] = {
     FrameType.HELLO: MAX_CONTROL_PAYLOAD,
     FrameType.SELECT: SELECT_FIXED.size + MAX_REASON,
+    FrameType.AUTH: 1 + AUTH_NONCE_SIZE + AUTH_PROOF_SIZE,
     FrameType.EOF: 0,
     FrameType.CLOSE: CLOSE_FIXED.size + MAX_REASON,
 }
@@ -403,7 +446,11 @@ class Connection:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        auth_key: bytes | None = None,
+        nonce: Callable[[int], bytes] = os.urandom,
     ) -> None:
+        if auth_key is not None and not auth_key:
+            raise ValueError("an empty auth key authenticates nothing")
         if not 0 <= max_message_size <= MAX_MESSAGE_SIZE_LIMIT:
             raise ValueError(f"max_message_size must be between 0 and {MAX_MESSAGE_SIZE_LIMIT}")
         if not MIN_FRAME_SIZE <= max_frame_size <= MAX_MESSAGE_SIZE_LIMIT:
@@ -420,6 +467,11 @@ class Connection:
         self.peer_hello: Hello | None = None
         self.transport: Transport | None = None
         self.transport_reason = ""
+        #: the pre-shared key (None: no authentication); see send_auth_challenge
+        self.auth_key = auth_key
+        self._nonce = nonce
+        self._auth_nonces: tuple[bytes, bytes] | None = None  # (client's, server's)
+        self._client_hello = b""  # the client's HELLO payload: what both proofs cover
         self.close_sent = False
         self.close_received: ConnectionClosed | None = None
         self._error: Exception | None = None
@@ -502,8 +554,14 @@ class Connection:
         rdma_params: bytes | None = None,
         no_rdma_reason: str | None = None,
     ) -> bytes:
-        """Our magic and HELLO: a client's first bytes, or a server's answer."""
+        """Our magic and HELLO: a client's first bytes, or a server's answer.
+
+        With a key, a client's HELLO carries its nonce, and a server's may only follow the
+        client's proof (:class:`Authenticated`)."""
         self._check_alive()
+        client = self.role is Role.CLIENT
+        if not client and self.auth_key is not None and self.state is not State.AUTHENTICATED:
+            raise LocalProtocolError("this server has a key: the client must authenticate before its HELLO")
         hello = Hello(
             mode=self.mode,
             capabilities=capabilities,
@@ -511,14 +569,71 @@ class Connection:
             max_frame_size=self.max_frame_size,
             rdma_params=rdma_params,
             no_rdma_reason=no_rdma_reason,
+            auth_nonce=self._nonce(AUTH_NONCE_SIZE) if client and self.auth_key is not None else None,
         )
         if hello.can_rdma != (rdma_params is not None):
             raise LocalProtocolError("offer RDMA exactly when RDMA parameters are given")
         payload = encode_hello(hello)
         self._step(Input.SEND_HELLO, remote=False)
+        if client:
+            self._client_hello = payload
         self.local_hello = hello
+        prefix = b"" if self._magic_sent else MAGIC  # (a server that sent AUTH sent the magic with it)
         self._magic_sent = True
-        return MAGIC + frame(FrameType.HELLO, payload)
+        return prefix + frame(FrameType.HELLO, payload)
+
+    # -- authentication (a pre-shared key: auth=) ----------------------------------------
+    #
+    # client                                      server (with the key)
+    #   HELLO(.., nonce_c)                      ->
+    #                                           <-  AUTH(1, nonce_s, proof_s)
+    #   AUTH(2, proof_c)                        ->      (checked; only now RDMA resources)
+    #                                           <-  HELLO(..)
+    # proof_x = HMAC-SHA-256(key, label_x | nonce_c | nonce_s | the client's HELLO payload),
+    # labels naming the side (a proof cannot be reflected), compared in constant time.
+
+    def _proof(self, role: Role) -> bytes:
+        assert self.auth_key is not None and self._auth_nonces is not None
+        nonce_c, nonce_s = self._auth_nonces
+        msg = _AUTH_LABELS[role] + nonce_c + nonce_s + self._client_hello
+        return hmac.new(self.auth_key, msg, hashlib.sha256).digest()
+
+    def send_auth_challenge(self) -> bytes:
+        """Server with a key, after the client's HELLO: our nonce and our proof of the key."""
+        self._check_alive()
+        if self.role is not Role.SERVER or self.auth_key is None:
+            raise LocalProtocolError("only a server with a key sends an AUTH challenge")
+        hello = self.peer_hello
+        if hello is None or hello.auth_nonce is None:
+            raise LocalProtocolError("the client offered no authentication (no nonce in its HELLO)")
+        self._step(Input.SEND_AUTH, remote=False)
+        self._auth_nonces = (hello.auth_nonce, self._nonce(AUTH_NONCE_SIZE))
+        self._magic_sent = True  # (the server's first bytes: the magic goes first)
+        return MAGIC + frame(FrameType.AUTH, bytes([AUTH_CHALLENGE]) + self._auth_nonces[1] + self._proof(Role.SERVER))
+
+    def send_auth_answer(self) -> bytes:
+        """Client, after :class:`AuthChallenged`: our proof of the key."""
+        self._check_alive()
+        self._step(Input.SEND_AUTH, remote=False)
+        return frame(FrameType.AUTH, bytes([AUTH_ANSWER]) + self._proof(Role.CLIENT))
+
+    def _receive_auth(self, payload: memoryview) -> Event:
+        if self.role is Role.CLIENT:
+            if self.auth_key is None or self.local_hello is None or self.local_hello.auth_nonce is None:
+                raise RemoteProtocolError("an AUTH challenge, although this side offered no authentication")
+            if len(payload) != 1 + AUTH_NONCE_SIZE + AUTH_PROOF_SIZE or payload[0] != AUTH_CHALLENGE:
+                raise RemoteProtocolError(f"malformed AUTH challenge ({len(payload)} bytes)")
+            self._step(Input.RECV_AUTH, remote=True)
+            self._auth_nonces = (self.local_hello.auth_nonce, bytes(payload[1 : 1 + AUTH_NONCE_SIZE]))
+            if not hmac.compare_digest(bytes(payload[1 + AUTH_NONCE_SIZE :]), self._proof(Role.SERVER)):
+                raise AuthenticationError("authentication failed: the server's proof does not match this side's key")
+            return AuthChallenged()
+        if len(payload) != 1 + AUTH_PROOF_SIZE or payload[0] != AUTH_ANSWER:
+            raise RemoteProtocolError(f"malformed AUTH answer ({len(payload)} bytes)")
+        self._step(Input.RECV_AUTH, remote=True)
+        if not hmac.compare_digest(bytes(payload[1:]), self._proof(Role.CLIENT)):
+            raise AuthenticationError("authentication failed: the client's proof does not match this side's key")
+        return Authenticated()
 
     def select(self, transport: Transport, reason: str = "") -> bytes:
         """Client: choose the transport for the data (after the peer's HELLO)."""
@@ -1011,13 +1126,21 @@ class Connection:
             self.recv_half = Half.CLOSED
             self.close_received = ConnectionClosed(code, reason)
             return self.close_received
+        if ftype is FrameType.AUTH:
+            return self._receive_auth(payload)
         if ftype is FrameType.HELLO:
             hello = decode_hello(payload)
             if hello.mode is not self.mode:
                 raise HandshakeError(
                     f"the peer is a {_MODE_NAMES[hello.mode]} endpoint, this side is a {_MODE_NAMES[self.mode]}"
                 )
+            if self.role is Role.CLIENT and self.auth_key is not None and self.state is State.AWAIT_HELLO:
+                raise AuthenticationError(
+                    "authentication failed: the server did not prove it has the key (it has none; this side has one)"
+                )
             self._step(Input.RECV_HELLO, remote=True)
+            if self.role is Role.SERVER:
+                self._client_hello = bytes(payload)
             self.peer_hello = hello
             self._peer_max_message = hello.max_message_size
             self._peer_max_frame = hello.max_frame_size

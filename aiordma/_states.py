@@ -5,7 +5,8 @@ Two tables drive :class:`aiordma._protocol.Connection`:
 * ``HANDSHAKE`` -- the connection as a whole, from the first byte to ``OPEN`` and
   ``CLOSED``.  A client sends HELLO, reads the server's HELLO and then SELECTs
   the transport; a server reads HELLO, answers with its own and waits for the
-  client's SELECT.
+  client's SELECT.  With a pre-shared key an AUTH exchange (challenge and proof
+  each way) comes between the client's HELLO and the server's.
 * ``HALF`` -- once open, each direction (what we send, what we receive) is a
   half of its own: ``OPEN`` until an EOF frame passes, ``EOF`` after it, and
   ``CLOSED`` after a CLOSE frame.
@@ -32,6 +33,10 @@ class State(enum.Enum):
 
     IDLE = "idle"  # nothing sent or received yet
     AWAIT_HELLO = "await-hello"  # we wait for the peer's HELLO
+    AUTH_CHALLENGED = "auth-challenged"  # client: the server proved its key; our proof is due
+    AWAIT_HELLO_AUTHED = "await-hello-authed"  # client: proof sent, waiting for the server's HELLO
+    AUTH_SENT = "auth-sent"  # server: challenge and proof sent, waiting for the client's proof
+    AUTHENTICATED = "authenticated"  # server: the client proved its key; our HELLO is due
     SELECTING = "selecting"  # client: HELLOs exchanged, transport not chosen yet
     HELLO_RECEIVED = "hello-received"  # server: client's HELLO read, ours not sent yet
     AWAIT_SELECT = "await-select"  # server: waits for the client's SELECT
@@ -44,6 +49,8 @@ class Input(enum.Enum):
 
     SEND_HELLO = "send HELLO"
     RECV_HELLO = "receive HELLO"
+    SEND_AUTH = "send AUTH"
+    RECV_AUTH = "receive AUTH"
     SEND_SELECT = "send SELECT"
     RECV_SELECT = "receive SELECT"
     SEND_CLOSE = "send CLOSE"
@@ -60,6 +67,15 @@ HANDSHAKE: Final[dict[tuple[Role, State, Input], State]] = {
     (Role.SERVER, State.IDLE, Input.RECV_HELLO): State.HELLO_RECEIVED,
     (Role.SERVER, State.HELLO_RECEIVED, Input.SEND_HELLO): State.AWAIT_SELECT,
     (Role.SERVER, State.AWAIT_SELECT, Input.RECV_SELECT): State.OPEN,
+    # with a key (auth=): the server answers HELLO with AUTH (its nonce and proof) and sends
+    # its own HELLO -- the first point where it creates RDMA resources -- only after the
+    # client's AUTH (its proof) checked out
+    (Role.CLIENT, State.AWAIT_HELLO, Input.RECV_AUTH): State.AUTH_CHALLENGED,
+    (Role.CLIENT, State.AUTH_CHALLENGED, Input.SEND_AUTH): State.AWAIT_HELLO_AUTHED,
+    (Role.CLIENT, State.AWAIT_HELLO_AUTHED, Input.RECV_HELLO): State.SELECTING,
+    (Role.SERVER, State.HELLO_RECEIVED, Input.SEND_AUTH): State.AUTH_SENT,
+    (Role.SERVER, State.AUTH_SENT, Input.RECV_AUTH): State.AUTHENTICATED,
+    (Role.SERVER, State.AUTHENTICATED, Input.SEND_HELLO): State.AWAIT_SELECT,
 }
 # Either side may close (or fail) at any point, including in the middle of the
 # handshake: a server that refuses a client sends CLOSE instead of HELLO.

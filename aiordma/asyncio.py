@@ -30,6 +30,7 @@ import anyio
 from ._api import Options, _open, accept_handshake, make_options
 from ._core import Core, Link
 from ._errors import LocalProtocolError
+from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
 from ._links import AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
@@ -338,6 +339,7 @@ async def open_connection(
     limit: int = _DEFAULT_LIMIT,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
@@ -345,7 +347,9 @@ async def open_connection(
     ``readuntil``/``readline`` limit as in asyncio.
     """
     opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
+        backend=rdma_backend,
+        auth=auth,
     )
     try:
         core = await _open(host, port, Mode.STREAM, opts)
@@ -431,11 +435,18 @@ async def start_server(
     start_serving: bool = True,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_rdma_connections: int | None = None,
+    max_pinned_bytes: int | None = None,
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
     runs (in a task) for each client once its handshake completed."""
     opts: Options = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
+        backend=rdma_backend,
+        auth=auth,
+        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()
@@ -491,6 +502,7 @@ async def create_connection(
     server_hostname: str | None = None,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
 ) -> tuple[Transport, asyncio.BaseProtocol]:
     """``loop.create_connection`` over aiordma: connect (TCP handshake, then RDMA if both sides
     can, see :func:`aiordma.connect`), call ``protocol_factory()`` and its ``connection_made``,
@@ -501,7 +513,9 @@ async def create_connection(
     ``ConnectionResetError`` when the handshake failed, :class:`aiordma.RDMAUnavailableError`
     for ``transport="rdma"`` without a usable device."""
     opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False, backend=rdma_backend
+        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
+        backend=rdma_backend,
+        auth=auth,
     )
     try:
         core = await _open(host, port, Mode.STREAM, opts)
@@ -528,6 +542,10 @@ async def create_server(
     start_serving: bool = True,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_rdma_connections: int | None = None,
+    max_pinned_bytes: int | None = None,
 ) -> Server:
     """``loop.create_server`` over aiordma: for each client, once its aiordma handshake completed,
     ``protocol_factory()`` gets a :class:`Transport` (``connection_made``).  Returns a
@@ -535,7 +553,10 @@ async def create_server(
     ``wait_closed``, ``sockets``; ``close_clients``/``abort_clients`` close the transports).
     A client whose handshake fails never reaches the factory."""
     opts: Options = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True, backend=rdma_backend
+        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
+        backend=rdma_backend,
+        auth=auth,
+        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()

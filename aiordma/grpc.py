@@ -41,20 +41,21 @@ class Channel(_GrpclibChannel):
     """grpclib's ``Channel`` whose connection is an aiordma connection.
 
     Arguments as grpclib's (``host``, ``port``, ``codec``, ``ssl``, ``config``...), plus
-    aiordma's ``transport`` (None/"auto", "rdma" strict, "tcp"), ``handshake_timeout`` and
-    ``rdma_backend``.  After the first call, :attr:`aiordma_transport` and
+    aiordma's ``transport`` (None/"auto", "rdma" strict, "tcp"), ``handshake_timeout``,
+    ``rdma_backend`` and ``auth`` (the handshake's pre-shared key).  After the first call, :attr:`aiordma_transport` and
     :attr:`aiordma_fallback_reason` tell what carries it.
     """
 
     def __init__(self, host: str | None = None, port: int | None = None, *, transport: str | None = None,
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, rdma_backend: RdmaBackend | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 auth: str | bytes | bool | None = None, **kwargs: Any) -> None:  # fmt: skip
         if kwargs.get("path") is not None:
             raise ValueError("aiordma.grpc.Channel connects to a host and port, not a unix socket path")
         super().__init__(host, port, **kwargs)
         self._aiordma_transport = transport
         self._aiordma_timeout = handshake_timeout
         self._aiordma_backend = rdma_backend
+        self._aiordma_auth = auth
         self._aiordma_tr: Any = None
 
     async def _create_connection(self) -> Any:
@@ -68,6 +69,7 @@ class Channel(_GrpclibChannel):
             server_hostname=self._config.ssl_target_name_override if ssl is not None else None,
             handshake_timeout=self._aiordma_timeout,
             rdma_backend=self._aiordma_backend,
+            auth=self._aiordma_auth,
         )
         self._aiordma_tr = transport
         return protocol
@@ -85,7 +87,8 @@ class Channel(_GrpclibChannel):
 async def start_server(server: Server, host: str | None = None, port: int | None = None, *,
                        transport: str | None = None, ssl: _ssl.SSLContext | None = None, backlog: int = 100,
                        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                       rdma_backend: RdmaBackend | None = None) -> _aa.Server:  # fmt: skip
+                       rdma_backend: RdmaBackend | None = None,
+                       auth: str | bytes | bool | None = None) -> _aa.Server:  # fmt: skip
     """Start grpclib's ``server`` on aiordma (what ``await server.start(host, port)`` does, on
     :func:`aiordma.asyncio.create_server`).  Returns the listening :class:`aiordma.asyncio.Server`
     (for ``sockets``); stop with grpclib's ``server.close()`` and ``await server.wait_closed()``."""
@@ -100,6 +103,7 @@ async def start_server(server: Server, host: str | None = None, port: int | None
         backlog=backlog,
         handshake_timeout=handshake_timeout,
         rdma_backend=rdma_backend,
+        auth=auth,
     )
     server._server = listening
     server._server_closed_fut = asyncio.get_running_loop().create_future()

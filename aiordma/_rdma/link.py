@@ -134,6 +134,8 @@ class RdmaLink(Link):
         self.os_inflight: set[int] = set()
         self._os_waiting = 0
         self._exposed: dict[int, tuple[Any, int]] = {}  # id(region) -> (exposed region, pinned bytes)
+        #: called once when the teardown has released everything (a listener's budget)
+        self.on_destroyed: list[Callable[[], None]] = []
         # rendezvous: regions the peer may READ (this connection's only), staged or free
         self._rndv_held: dict[int, Any] = {}
         self._rndv_free: dict[int, list[Any]] = {}
@@ -1092,6 +1094,9 @@ class RdmaLink(Link):
                 self._cq_reserved = 0
             attempt(device.release)
             self.device = None
+        callbacks, self.on_destroyed = self.on_destroyed, []
+        for callback in callbacks:
+            attempt(callback)
         for exc in errors:
             log.warning("aiordma: RDMA teardown: %s", exc)
 
