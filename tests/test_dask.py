@@ -817,16 +817,17 @@ def test_registered_through_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> 
 # -- clusters ----------------------------------------------------------------------------------
 
 
-def shuffle_job() -> Any:
+def shuffle_job(n: int = 2400) -> Any:
     """Transpose, rechunk across the other axis and a random permutation of the rows: every
-    output chunk needs pieces of many input chunks (2.9 MB), most of them on the other worker."""
-    x = da.random.RandomState(42).random((2400, 2400), chunks=(600, 600))
-    perm = np.random.default_rng(1).permutation(2400)
-    y = (x + x.T).rechunk((2400, 200))[perm]
+    output chunk needs pieces of many input chunks (2.9 MB at n=2400), most of them on the other
+    worker.  (The guest, ~20x slower, runs it at n=1200: the same graph, a quarter of the bytes.)"""
+    x = da.random.RandomState(42).random((n, n), chunks=(n // 4, n // 4))
+    perm = np.random.default_rng(1).permutation(n)
+    y = (x + x.T).rechunk((n, n // 12))[perm]
     return y.sum(axis=1), y.std(axis=0)
 
 
-async def run_on_cluster(protocol: str, host: str) -> tuple[Any, Any, dict[str, list[str]]]:
+async def run_on_cluster(protocol: str, host: str, n: int = 2400) -> tuple[Any, Any, dict[str, list[str]]]:
     async with LocalCluster(
         protocol=protocol,
         host=host,
@@ -839,7 +840,7 @@ async def run_on_cluster(protocol: str, host: str) -> tuple[Any, Any, dict[str, 
     ) as cluster:
         async with Client(cluster, asynchronous=True) as client:
             assert cluster.scheduler_address.startswith(protocol)
-            a, b = await client.gather(client.compute(list(shuffle_job())))
+            a, b = await client.gather(client.compute(list(shuffle_job(n))))
 
             def transports(dask_worker: Any = None) -> list[str]:
                 return sorted({c.transport for c in list(RDMAComm._instances) if isinstance(c, RDMAComm)})
@@ -848,18 +849,20 @@ async def run_on_cluster(protocol: str, host: str) -> tuple[Any, Any, dict[str, 
     return a, b, used
 
 
-_TCP_RESULTS: dict[str, tuple[Any, Any]] = {}
+_TCP_RESULTS: dict[tuple[str, int], tuple[Any, Any]] = {}
 
 
 @pytest.mark.parametrize("cluster_kind", KINDS)
-@gen_test(timeout=60)
+@gen_test(timeout=600)
 async def test_local_cluster_shuffle_matches_tcp(cluster_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     k = _make_kind(cluster_kind)
     monkeypatch.setitem(backends, "rdma", k.backend)
-    if k.host not in _TCP_RESULTS:  # (the job is deterministic: Dask's tcp:// runs it once per host)
-        _TCP_RESULTS[k.host] = (await run_on_cluster("tcp://", k.host))[:2]
-    ta, tb = _TCP_RESULTS[k.host]
-    ra, rb, used = await run_on_cluster("rdma://", k.host)
+    n = 1200 if cluster_kind == "rdma" else 2400
+    key = (k.host, n)
+    if key not in _TCP_RESULTS:  # (the job is deterministic: Dask's tcp:// runs it once per host)
+        _TCP_RESULTS[key] = (await run_on_cluster("tcp://", k.host, n))[:2]
+    ta, tb = _TCP_RESULTS[key]
+    ra, rb, used = await run_on_cluster("rdma://", k.host, n)
     assert np.array_equal(ta, ra) and np.array_equal(tb, rb)
     assert len(used) == 2  # (both workers answered)
     assert all(t == [k.transport] for t in used.values()), used

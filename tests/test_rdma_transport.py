@@ -773,3 +773,94 @@ async def test_asyncio_writes_without_drain_all_arrive_when_the_send_ring_is_sma
         finally:  # (also when it failed: the server waits for its handler, the handler for EOF)
             writer.close()
             await writer.wait_closed()
+
+
+@pytest.mark.parametrize("fault", ["sends_beyond_credits", "oversized_send", "garbage_payload", "read_guessed_rkey"])
+async def test_a_hostile_peer_breaks_only_its_own_connection(anyio_backend: Any, env: Env, fault: str) -> None:
+    """Issue 11's hostile peer, written against the verbs layer (raw work requests on its QP,
+    bypassing its session): SENDs beyond the credits it was given, a SEND larger than our
+    buffers, a SEND of bytes that are no aiordma frames, an RDMA READ of our rings with their
+    rkey.  The victim's connection fails with a typed error (or the attacker's does, for the
+    READ), our other connection on the same device goes on, and nothing leaks."""
+    from aiordma._protocol import FrameType, frame
+    from aiordma._rdma.constants import Opcode, SendWR
+    from aiordma._rdma.credits import SendKind, pack_imm
+
+    async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
+        attacker, victim = _link(a), _link(b)
+        src = attacker.send_mr
+        cfg = victim.config if hasattr(victim, "config") else RdmaConfig()
+        broken = b
+        if fault == "read_guessed_rkey":
+            target = victim.recv_mr
+            attacker.qp.post_send(SendWR(Opcode.RDMA_READ, wr_id=(1 << 63) | 11, addr=src.addr, length=64,
+                                         lkey=src.lkey, remote_addr=target.addr, rkey=target.rkey))  # fmt: skip
+            broken = a  # the READ fails on the attacker's side: REM_ACCESS_ERR, nothing read
+        else:
+            if fault == "oversized_send":
+                payloads = [b"\0" * (cfg.buffer_size + 1)]
+            elif fault == "garbage_payload":
+                payloads = [b"\xff" * 64]
+            else:
+                # the victim does not read: past its receive high mark it withholds the credits
+                # its reposts would return, so the peer has none left; then a flood of DATA SENDs
+                async def fill() -> None:
+                    with anyio.move_on_after(30):
+                        try:
+                            await a.send(b"f" * (3 << 20))
+                        except (BrokenResourceError, ClosedResourceError):
+                            pass  # (the attacker's own connection breaks too: its raw WRs complete)
+
+                filler = await _start_soon(fill)
+                with anyio.fail_after(20):
+                    while not _withheld(victim):
+                        await anyio.sleep(0.01)
+                payloads = [frame(FrameType.DATA, b"x")] * (cfg.window + cfg.control + 2)
+            for i, payload in enumerate(payloads):
+                src.view()[: len(payload)] = payload
+                attacker.qp.post_send(SendWR(Opcode.SEND_WITH_IMM, wr_id=(1 << 63) | (20 + i), addr=src.addr,
+                                             length=len(payload), lkey=src.lkey,
+                                             imm_data=pack_imm(SendKind.DATA, 0, 0)))  # fmt: skip
+        with anyio.fail_after(20):
+            with pytest.raises(BrokenResourceError) as ei:
+                while True:
+                    await broken.receive()
+        cause = ei.value.__cause__
+        if fault == "sends_beyond_credits":
+            filler.cancel()
+        if fault == "read_guessed_rkey":
+            assert "REM_ACCESS_ERR" in str(cause), cause
+        elif fault == "sends_beyond_credits":
+            assert isinstance(cause, aiordma.RemoteProtocolError) and "without a credit" in str(cause), cause
+        elif fault == "garbage_payload":
+            assert isinstance(cause, aiordma.ProtocolError), cause
+        else:
+            assert isinstance(cause, (aiordma.RemoteProtocolError, aiordma.RDMAError)), cause
+        # the other connection on the same device is untouched
+        await c.send(b"other connection")
+        assert await d.receive() == b"other connection"
+        await d.send(b"and back")
+        assert await c.receive() == b"and back"
+
+
+def _withheld(link: Any) -> bool:
+    session = link.session
+    return bool(session.c.withheld if getattr(session, "native", False) else session.withheld)
+
+
+async def _start_soon(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a task of the running loop; returns something with ``cancel()``."""
+    import sniffio
+
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await fn()
+
+        trio.lowlevel.spawn_system_task(run)
+        return scope
+    return asyncio.ensure_future(fn())
