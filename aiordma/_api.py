@@ -33,7 +33,7 @@ from ._memory import RegisteredMemory
 from ._onesided import RemoteBuffer
 from ._errors import HandshakeError, RDMAUnavailableError
 from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._links import AsyncioLink, StreamLink
+from ._links import DEFAULT_KEEPALIVE, AsyncioLink, StreamLink, set_keepalive
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_auth, resolve_transport, server_handshake
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, CloseCode, Connection, Mode, Role
 from ._rdma.config import RdmaBackend
@@ -76,6 +76,8 @@ class Options:
     auth: bytes | None = None
     #: a listener's limits and counters (None on clients)
     budget: ListenerBudget | None = None
+    #: the bound on noticing a dead peer host (seconds; None: the OS's TCP defaults)
+    keepalive: float | None = DEFAULT_KEEPALIVE
 
     def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
         return Connection(
@@ -94,6 +96,7 @@ def make_options(
     server: bool,
     backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     budget: ListenerBudget | None = None,
 ) -> Options:
     choice = resolve_transport(transport)
@@ -109,7 +112,10 @@ def make_options(
         context = ssl
     if server_hostname is not None and context is None:
         raise ValueError("server_hostname is only meaningful with ssl")
-    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget)
+    if keepalive is not None and keepalive <= 0:
+        raise ValueError("keepalive must be a positive number of seconds, or None")
+    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget,
+                   keepalive)  # fmt: skip
 
 
 class _Guard:
@@ -310,6 +316,7 @@ async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = 
             with anyio.CancelScope(shield=True):
                 await core.link.aclose(core.proto.close(CloseCode.REFUSED, refusal))
             return False
+    set_keepalive(core.link, opts.keepalive)
     try:
         await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend, budget=budget)
     except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
@@ -349,6 +356,7 @@ async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
             stream = await anyio.connect_tcp(host, port)
         link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
     core = link.core
+    set_keepalive(link, opts.keepalive)
     try:
         await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer)
     except BaseException:
@@ -367,6 +375,7 @@ async def connect(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
 ) -> Stream:
     """Connect to an aiordma byte-stream listener; returns a :class:`Stream`.
 
@@ -385,6 +394,7 @@ async def connect(
         transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
     )
     return Stream(await _open(host, port, Mode.STREAM, opts))
 
@@ -400,6 +410,7 @@ async def connect_channel(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
 ) -> Channel:
     """Connect to an aiordma channel listener; returns a :class:`Channel`.
 
@@ -410,6 +421,7 @@ async def connect_channel(
         transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
     )
     return Channel(await _open(host, port, Mode.MESSAGES, opts))
 
@@ -588,6 +600,7 @@ async def create_listener(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
@@ -601,6 +614,7 @@ async def create_listener(
         transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, backlog), opts)
@@ -617,6 +631,7 @@ async def create_channel_listener(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
@@ -626,6 +641,7 @@ async def create_channel_listener(
         transport, ssl, None, max_message_size, handshake_timeout, server=True,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, backlog), opts)

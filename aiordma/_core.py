@@ -280,7 +280,8 @@ class Core:
         except (ProtocolError, HandshakeError) as perr:
             if exc is not None:
                 perr.__cause__ = exc
-            self.on_error(perr)
+            # the transport failed (reset, timed out: a dead peer host): say that, not "no CLOSE"
+            self.on_error(exc if isinstance(exc, OSError) else perr)
         else:
             if exc is not None and self.peer_close is None:
                 self.on_error(exc)

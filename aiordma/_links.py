@@ -29,12 +29,50 @@ from ._errors import HandshakeError, ProtocolError
 from ._io import IOBackend, Watch
 from ._protocol import Chunk, CloseCode, Connection
 
-__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT"]
+__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive"]
 
 log = logging.getLogger("aiordma")
 
 #: How long closing may wait to flush the CLOSE frame before it aborts.
 CLOSE_TIMEOUT = 5.0
+#: The default bound (seconds) on noticing a peer host that died without a word (see set_keepalive).
+DEFAULT_KEEPALIVE = 5.0
+
+
+def set_keepalive(link: Link, seconds: float | None) -> bool:
+    """Bound how long a dead peer host goes unnoticed on ``link``'s TCP connection.
+
+    A crashed host, or a cable pulled, sends nothing: no FIN, no RST.  Idle, TCP would never
+    notice; with unacknowledged bytes it retransmits for up to ~15 minutes.  So the socket gets
+    keepalive probes (``TCP_KEEPIDLE`` + ``TCP_KEEPCNT`` x ``TCP_KEEPINTVL`` <= ``seconds``)
+    and ``TCP_USER_TIMEOUT`` (bytes unacknowledged for ``seconds`` end the connection).  An RDMA
+    connection's TCP link carries no data but watches the connection: when it ends, the RDMA
+    link fails too (with traffic the QP's own retries fail first, within about a second).
+    ``None`` leaves the socket as the OS made it.  Returns whether it could be set (not on
+    every platform or socket)."""
+    if seconds is None:
+        return False
+    get = link.extra_attributes.get(SocketAttribute.raw_socket)
+    sock = get() if get is not None else None
+    if sock is None:
+        return False
+    import socket
+
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        total = max(2, int(seconds))
+        idle = max(1, total // 2)
+        count = max(1, total - idle)  # probes one second apart after ``idle`` quiet seconds
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+    except (OSError, AttributeError, TypeError) as exc:  # (a socket wrapper without setsockopt)
+        log.debug("aiordma: could not set TCP keepalive: %s", exc)
+        return False
+    return True
 #: How much a pull link asks its stream for at once.
 RECEIVE_SIZE = 256 << 10
 

@@ -31,7 +31,7 @@ from ._api import Options, _open, accept_handshake, make_options
 from ._core import Core, Link
 from ._errors import LocalProtocolError
 from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._links import AsyncioLink
+from ._links import DEFAULT_KEEPALIVE, AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
@@ -340,6 +340,7 @@ async def open_connection(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
@@ -350,6 +351,7 @@ async def open_connection(
         transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
     )
     try:
         core = await _open(host, port, Mode.STREAM, opts)
@@ -436,6 +438,7 @@ async def start_server(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
@@ -446,6 +449,7 @@ async def start_server(
         transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
@@ -503,6 +507,7 @@ async def create_connection(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
 ) -> tuple[Transport, asyncio.BaseProtocol]:
     """``loop.create_connection`` over aiordma: connect (TCP handshake, then RDMA if both sides
     can, see :func:`aiordma.connect`), call ``protocol_factory()`` and its ``connection_made``,
@@ -516,6 +521,7 @@ async def create_connection(
         transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
     )
     try:
         core = await _open(host, port, Mode.STREAM, opts)
@@ -543,6 +549,7 @@ async def create_server(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
@@ -556,6 +563,7 @@ async def create_server(
         transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
         backend=rdma_backend,
         auth=auth,
+        keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
     local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now

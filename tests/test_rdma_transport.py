@@ -786,10 +786,14 @@ async def test_a_hostile_peer_breaks_only_its_own_connection(anyio_backend: Any,
     from aiordma._rdma.constants import Opcode, SendWR
     from aiordma._rdma.credits import SendKind, pack_imm
 
+    from aiordma._rdma.constants import Access
+
     async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
         attacker, victim = _link(a), _link(b)
-        src = attacker.send_mr
-        cfg = victim.config if hasattr(victim, "config") else RdmaConfig()
+        cfg = victim.config
+        # the attacker's own memory for its raw work requests (its session's send ring may still
+        # hold posted SENDs: writing there would corrupt those instead)
+        src = attacker.device.pd.reg_mr(2 * cfg.buffer_size, Access.LOCAL_WRITE)
         broken = b
         if fault == "read_guessed_rkey":
             target = victim.recv_mr
@@ -841,6 +845,8 @@ async def test_a_hostile_peer_breaks_only_its_own_connection(anyio_backend: Any,
         assert await d.receive() == b"other connection"
         await d.send(b"and back")
         assert await c.receive() == b"and back"
+        await a.aclose()  # (the attacker's QP is gone after this: nothing can still read src)
+        src.close()
 
 
 def _withheld(link: Any) -> bool:

@@ -1,0 +1,144 @@
+"""A peer host that dies without a word: the survivor notices within the keepalive bound.
+
+Two network namespaces this test creates (``aiordma-ka-*``), joined by a veth pair with
+addresses of their own (10.213.x.0/30, never seen outside them); the server runs in one, the
+client in the other (each a subprocess under ``ip netns exec``).  Setting the server's end of
+the link down is a crashed host as the client sees it: no FIN, no RST, nothing.  Then the client,
+idle or sending, must get ``BrokenResourceError`` within its ``keepalive`` (2 s here), and, with
+``keepalive=None``, must not (the OS's own TCP timeouts are minutes: the control shows the
+bound is aiordma's).  Needs root and ``ip netns`` (the CI machine has both); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVER = r"""
+import sys, anyio, aiordma
+async def main():
+    async with await aiordma.create_channel_listener(sys.argv[1], 9000, transport="tcp") as lst:
+        async def handler(ch):
+            async with ch:
+                while True:
+                    await ch.receive()
+        print("listening", flush=True)
+        await lst.serve(handler)
+anyio.run(main)
+"""
+
+CLIENT = r"""
+import sys, time, anyio, aiordma
+host, mode, keepalive = sys.argv[1], sys.argv[2], None if sys.argv[3] == "none" else float(sys.argv[3])
+async def main():
+    ch = await aiordma.connect_channel(host, 9000, transport="tcp", keepalive=keepalive)
+    await ch.send(b"hello")
+    print("connected", flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)  # the test took the link down
+    t0 = time.monotonic()
+    try:
+        with anyio.fail_after(12):
+            if mode == "idle":
+                await ch.receive()
+            else:
+                while True:
+                    await ch.send(b"x" * 65536)
+    except anyio.BrokenResourceError as exc:
+        print(f"broken after {time.monotonic() - t0:.2f} s: {exc.__cause__!r}", flush=True)
+    except TimeoutError:
+        print(f"still open after {time.monotonic() - t0:.2f} s", flush=True)
+anyio.run(main)
+"""
+
+
+def _can_netns() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+pytestmark = pytest.mark.skipif(not _can_netns(), reason="needs root and ip netns")
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[str, str, str, str]]:
+    """(client ns, server ns, server address, the server's veth), torn down afterwards."""
+    tag = f"{os.getpid() % 10000}"
+    a, b = f"aiordma-ka-c{tag}", f"aiordma-ka-s{tag}"
+    net = 10 + os.getpid() % 200
+    for ns in (a, b):
+        ip("netns", "add", ns)
+    try:
+        ip("link", "add", f"kac{tag}", "netns", a, "type", "veth", "peer", "name", f"kas{tag}", "netns", b)
+        ip("-n", a, "addr", "add", f"10.213.{net}.1/30", "dev", f"kac{tag}")
+        ip("-n", b, "addr", "add", f"10.213.{net}.2/30", "dev", f"kas{tag}")
+        for ns, dev in ((a, f"kac{tag}"), (b, f"kas{tag}")):
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", dev, "up")
+        yield a, b, f"10.213.{net}.2", f"kas{tag}"
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def _run(ns: str, code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AIORDMA_TRANSPORT": "tcp"}
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code, *args], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            return line.strip()
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError("no output in time")
+
+
+@pytest.mark.parametrize("mode", ["idle", "sending"])
+@pytest.mark.parametrize("keepalive", ["2", "none"])
+def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, str, str, str], mode: str,
+                                                          keepalive: str) -> None:  # fmt: skip
+    client_ns, server_ns, address, server_dev = two_hosts
+    server = _run(server_ns, SERVER, address)
+    client = None
+    try:
+        assert _line(server) == "listening"
+        client = _run(client_ns, CLIENT, address, mode, keepalive)
+        assert _line(client) == "connected"
+        ip("-n", server_ns, "link", "set", server_dev, "down")  # the server's host is gone
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        result = _line(client, timeout=20)
+    finally:
+        for proc in (client, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+                for f in (proc.stdin, proc.stdout, proc.stderr):
+                    if f is not None:
+                        f.close()
+    print(f"keepalive={keepalive} {mode}: {result}")
+    if keepalive == "none":
+        # the control: without aiordma's bound, the OS waits far longer than the 12 s we watch
+        assert result.startswith("still open"), result
+        return
+    assert result.startswith("broken after"), result
+    elapsed = float(result.split()[2])
+    assert elapsed <= 2.0 + 1.0, result  # the bound, and a second for the scheduling of the probes
