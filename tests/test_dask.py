@@ -889,3 +889,49 @@ def test_example_with_worker_processes() -> None:
         # the client's process and each of the two worker processes say it once
         assert len(fallbacks) >= 3, proc.stderr
         assert all("no RDMA device" in line for line in fallbacks)
+
+
+def test_the_dask_command_line_on_rdma() -> None:
+    """``dask scheduler --protocol rdma`` and ``dask worker rdma://...``, as a user starts them,
+    and a client that computes on them (over the TCP fallback on this host)."""
+    import socket
+    import threading
+
+    with socket.socket() as s:  # a free port for the scheduler (it prints no port otherwise)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("AIORDMA_TRANSPORT",) and not k.startswith("DASK_")}
+    dask_cmd = str(Path(sys.executable).with_name("dask"))
+    address = f"rdma://127.0.0.1:{port}"
+    procs = [
+        subprocess.Popen([dask_cmd, "scheduler", "--protocol", "rdma", "--host", "127.0.0.1", "--port", str(port),
+                          "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+    ]  # fmt: skip
+    logs: list[str] = []
+    try:
+        procs.append(subprocess.Popen([dask_cmd, "worker", address, "--nthreads", "1", "--no-dashboard"], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        for proc in procs:  # (keep their pipes drained)
+            threading.Thread(target=lambda p=proc: logs.extend(p.stderr), daemon=True).start()  # type: ignore[misc]
+        code = (
+            "import distributed, sys\n"
+            f"c = distributed.Client({address!r}, timeout=60)\n"
+            "c.wait_for_workers(1, timeout=60)\n"
+            "print(c.submit(lambda x: x * 2, 21).result(timeout=60), c.scheduler_info()['address'])\n"
+            "c.close()\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["42", address], out.stdout
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    assert any("Scheduler at:" in line and address in line for line in logs), "".join(logs[-20:])
+    if not rdma_device_present():
+        assert any("fell back to TCP" in line for line in logs), "".join(logs[-20:])
