@@ -65,7 +65,12 @@ def ipv4_address(index: int) -> str:
 
 def rocev2_gid(index: int) -> str:
     """GID index 1 of rxe device *index*, as sysfs prints it."""
-    a, b, c, d = (int(part) for part in ipv4_address(index).split("."))
+    return rocev2_gid_of(ipv4_address(index))
+
+
+def rocev2_gid_of(address: str) -> str:
+    """The RoCEv2 GID of an IPv4 address, as sysfs prints it."""
+    a, b, c, d = (int(part) for part in address.split("."))
     return f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
 
 
@@ -138,6 +143,45 @@ def setup_devices(count: int, deadline: float) -> None:
             raise SetupError(f"ibv_devinfo -d {dev} does not show PORT_ACTIVE:\n{info.stdout}")
 
 
+def wire_nic() -> str:
+    """The guest's one real NIC (the virtio-net on the wire between the guests)."""
+    names = sorted(n.name for n in Path("/sys/class/net").iterdir() if n.name != "lo" and not n.name.startswith("veth"))
+    if len(names) != 1:
+        raise SetupError(f"expected one NIC for the wire, found {names or 'none'}")
+    return names[0]
+
+
+def setup_wire(wire: dict[str, Any], deadline: float) -> None:
+    """Two guests on one wire: rxe0 on the NIC, with this guest's address and a jumbo MTU
+    (so that rxe's path MTU is its largest, 4096)."""
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SetupError("wire setup timed out")
+        return left
+
+    address, mtu = str(wire["address"]), int(wire.get("mtu", 4200))
+    run(["modprobe", "rdma_rxe"], timeout=min(60.0, remaining()))
+    run(["ip", "link", "set", "lo", "up"], timeout=min(30.0, remaining()))
+    nic = wire_nic()
+    run(["ip", "link", "set", nic, "mtu", str(mtu), "up"], timeout=min(30.0, remaining()))
+    run(["ip", "addr", "add", f"{address}/24", "dev", nic], timeout=min(30.0, remaining()))
+    if wire.get("netem"):
+        run(["tc", "qdisc", "add", "dev", nic, "root", "netem", *str(wire["netem"]).split()], timeout=30.0)
+    run(["rdma", "link", "add", "rxe0", "type", "rxe", "netdev", nic], timeout=min(60.0, remaining()))
+    port = SYS_IB / "rxe0" / "ports" / "1"
+    want_gid = rocev2_gid_of(address)
+    while True:
+        state = _read(port / "state")
+        gid = _read(port / "gids" / "1")
+        if "ACTIVE" in state and gid == want_gid:
+            break
+        if time.monotonic() >= deadline:
+            raise SetupError(f"rxe0 on {nic} not ready: port state {state!r}, GID[1] {gid!r} (want {want_gid})")
+        time.sleep(0.1)
+
+
 def quiet_console() -> None:
     """Keep kernel messages off the console once the command runs: the host
     forwards everything on the console stream after the ready marker as the
@@ -198,7 +242,10 @@ def main(argv: list[str]) -> int:
     write_status(status_path, status)
 
     try:
-        setup_devices(int(spec["devices"]), t0 + float(spec["setup_timeout"]))
+        if spec.get("wire"):
+            setup_wire(dict(spec["wire"]), t0 + float(spec["setup_timeout"]))
+        else:
+            setup_devices(int(spec["devices"]), t0 + float(spec["setup_timeout"]))
     except SetupError as exc:
         log(f"setup failed: {exc}")
         try:

@@ -70,7 +70,28 @@ __all__ = [
     "main",
     "project_dir",
     "run_in_vm",
+    "run_two_hosts",
+    "Wire",
+    "HOST_ADDRESSES",
 ]
+
+#: The two guests' addresses on their wire (``run_two_hosts``): host a, host b.
+HOST_ADDRESSES: Final = ("198.18.0.1", "198.18.0.2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """One guest's end of a virtual wire between two guests: a qemu stream netdev on a unix
+    socket (no address on the host), the guest's address on it, and a jumbo MTU.
+    ``netem``: a ``tc netem`` spec for the guest's NIC (e.g. ``"loss 1%"``), or ''."""
+
+    socket: Path
+    listen: bool
+    address: str
+    mac: str
+    mtu: int = 4200
+    netem: str = ""
+    peer: str = ""
 
 DEFAULT_COMMAND_TIMEOUT: Final = 1200.0
 DEFAULT_BOOT_TIMEOUT: Final = 300.0
@@ -585,6 +606,7 @@ def run_in_vm(
     show_console: bool = False,
     keep_scratch: bool = False,
     quiet: bool = False,
+    wire: Wire | None = None,
 ) -> VMResult:
     """Boot a Soft-RoCE guest, set up *devices* rxe devices and run *cmd* in it.
 
@@ -618,14 +640,20 @@ def run_in_vm(
     spec_path = scratch / "spec.json"
     status_path = scratch / "status.json"
     console_path = scratch / "console.log"
-    spec = {
+    guest_env = guest_environment(devices, env)
+    if wire is not None:
+        guest_env.update(AIORDMA_VM_DEVICES="rxe0", AIORDMA_VM_ADDRESSES=wire.address,
+                         AIORDMA_HOST_ADDRESS=wire.address, AIORDMA_PEER_ADDRESS=wire.peer)  # fmt: skip
+    spec: dict[str, object] = {
         "argv": list(cmd),
         "cwd": str(run_cwd),
-        "env": guest_environment(devices, env),
+        "env": guest_env,
         "devices": devices,
         "timeout": timeout,
         "setup_timeout": setup_timeout,
     }
+    if wire is not None:
+        spec["wire"] = {"address": wire.address, "mtu": wire.mtu, "netem": wire.netem}
     spec_path.write_text(json.dumps(spec, indent=1))
 
     guest_script = Path(_guest.__file__).resolve()
@@ -641,6 +669,10 @@ def run_in_vm(
         "--verbose",  # the kernel console goes to stderr: kept as the console log
         "--cwd", str(run_cwd),
     ]
+    if wire is not None:
+        netdev = (f"-netdev stream,id=wire,server={'on' if wire.listen else 'off'},addr.type=unix,"
+                  f"addr.path={wire.socket} -device virtio-net-pci,netdev=wire,mac={wire.mac}")  # fmt: skip
+        argv += ["--disable-microvm", "--qemu-opts", netdev]
     for d in [*writable, scratch]:
         argv += ["--rwdir", str(d)]
     argv += ["--", guest_cmd]
@@ -751,6 +783,65 @@ def run_in_vm(
             _log(f"kept {scratch} (console.log, spec.json, status.json)")
 
 
+def run_two_hosts(
+    cmd_a: Sequence[str],
+    cmd_b: Sequence[str],
+    *,
+    timeout: float = DEFAULT_COMMAND_TIMEOUT,
+    netem: tuple[str, str] = ("", ""),
+    mtu: int = 4200,
+    cpus: int = 1,
+    memory: str = "1G",
+    boot_timeout: float = DEFAULT_BOOT_TIMEOUT,
+    **kwargs: object,
+) -> tuple[VMResult, VMResult]:
+    """Boot two Soft-RoCE guests joined by one virtual wire and run ``cmd_a`` in the first
+    (``198.18.0.1``) and ``cmd_b`` in the second (``198.18.0.2``), at the same time.
+
+    The wire is a qemu stream netdev on a unix socket in a scratch directory: no address on the
+    host, RoCEv2 packets between two kernels.  Each guest has ``rxe0`` on its NIC (MTU ``mtu``:
+    rxe's path MTU is 4096 with the default 4200), one vCPU and 1 GiB by default (two TCG guests
+    on two cores), and gets ``AIORDMA_HOST_ADDRESS`` / ``AIORDMA_PEER_ADDRESS``.  ``netem``:
+    ``tc netem`` specs for the NICs of a and b (``"loss 1%"``; '' for none).  Other keyword
+    arguments go to :func:`run_in_vm` for both.  Returns both results (a, b); raises the first
+    guest's error if one could not run its command."""
+    scratch = Path(tempfile.mkdtemp(prefix="aiordma-wire-"))
+    sock = scratch / "wire.sock"
+    a, b = HOST_ADDRESSES
+    wires = (
+        Wire(sock, True, a, "52:54:00:00:00:01", mtu, netem[0], peer=b),
+        Wire(sock, False, b, "52:54:00:00:00:02", mtu, netem[1], peer=a),
+    )
+    results: list[VMResult | None] = [None, None]
+    errors: list[BaseException | None] = [None, None]
+
+    def run(i: int, cmd: Sequence[str]) -> None:
+        try:
+            results[i] = run_in_vm(cmd, timeout=timeout, cpus=cpus, memory=memory, boot_timeout=boot_timeout,
+                                   wire=wires[i], **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        except BaseException as exc:  # (reported below, from the caller's thread)
+            errors[i] = exc
+
+    try:
+        first = threading.Thread(target=run, args=(0, cmd_a), name="aiordma-vm-a")
+        first.start()
+        deadline = time.monotonic() + boot_timeout
+        while not sock.exists() and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the second guest's qemu connects to the first one's socket
+        second = threading.Thread(target=run, args=(1, cmd_b), name="aiordma-vm-b")
+        second.start()
+        first.join()
+        second.join()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for error in errors:
+        if error is not None:
+            raise error
+    ra, rb = results
+    assert ra is not None and rb is not None
+    return ra, rb
+
+
 # --------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------
@@ -767,6 +858,10 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--devices", type=int, default=1, metavar="N", help="number of rxe devices: rxe0..rxeN-1 (default 1)")
+    p.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                   help="2: two guests on one virtual wire (198.18.0.1, 198.18.0.2): -- CMD_A -- CMD_B")
+    p.add_argument("--netem", action="append", default=[], metavar="SPEC",
+                   help="with --hosts 2: tc netem on host a's NIC, then b's (repeat for b), e.g. 'loss 1%%'")  # fmt: skip
     p.add_argument("--timeout", type=float, default=DEFAULT_COMMAND_TIMEOUT, metavar="S", help="command timeout (default %(default).0f s)")
     p.add_argument("--boot-timeout", type=float, default=DEFAULT_BOOT_TIMEOUT, metavar="S", help="boot timeout (default %(default).0f s)")
     p.add_argument("--setup-timeout", type=float, default=DEFAULT_SETUP_TIMEOUT, metavar="S", help="rxe setup timeout (default %(default).0f s)")
@@ -804,6 +899,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not cmd:
         parser.error("no command: put it after '--', e.g. -- python -m pytest -m rdma tests")
+    cmd_b: list[str] = []
+    if args.hosts == 2:
+        if "--" not in cmd:
+            parser.error("--hosts 2 wants two commands: -- CMD_A -- CMD_B")
+        split = cmd.index("--")
+        cmd, cmd_b = cmd[:split], cmd[split + 1 :]
+        if not cmd or not cmd_b:
+            parser.error("--hosts 2 wants two commands: -- CMD_A -- CMD_B")
     if os.environ.get("AIORDMA_SKIP_VM") == "1":
         _log(f"AIORDMA_SKIP_VM=1: not booting the Soft-RoCE guest, skipped: {shlex.join(cmd)}")
         return 0
@@ -819,6 +922,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A cancelled CI job gets SIGTERM: stop the guest as for Ctrl-C.
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        if args.hosts == 2:
+            netem = (list(args.netem) + ["", ""])[:2]
+            ra, rb = run_two_hosts(
+                cmd, cmd_b, timeout=args.timeout, netem=(netem[0], netem[1]), env=extra, kernel=args.kernel,
+                setup_timeout=args.setup_timeout, install=not args.no_install, show_console=args.show_console,
+                keep_scratch=args.keep_scratch, quiet=args.quiet, boot_timeout=args.boot_timeout,
+            )  # fmt: skip
+            _log(f"host a exited with {ra.returncode}, host b with {rb.returncode}")
+            return ra.returncode or rb.returncode
         result = run_in_vm(
             cmd,
             timeout=args.timeout,
