@@ -32,6 +32,29 @@ pytestmark = pytest.mark.twohost
 needs_peer = pytest.mark.skipif(not PEER, reason="needs the two-host bed (AIORDMA_PEER_ADDRESS)")
 
 
+def wait_for_port(port: int, seconds: float = 300) -> None:
+    """Host a boots and starts its services on its own schedule: wait until ``port`` listens."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((PEER, port), timeout=5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def peer_up() -> None:
+    if PEER:
+        wait_for_port(CHANNEL_PORT)
+        wait_for_port(STREAM_PORT)
+
+
 @pytest.fixture
 def anyio_backend() -> Any:
     return "asyncio"  # (every loop runs the same code on the simulated wire; the guests are slow)
@@ -135,6 +158,7 @@ def test_aiordma_perf_across_hosts() -> None:
     that the stage's log carries the cross-host numbers."""
     import json
 
+    wait_for_port(18515)  # (the perf server's first port)
     out = subprocess.run([sys.executable, "-m", "aiordma", "perf", "client", PEER, "--sizes", "64,64K,1M",
                           "--iterations", "100", "--poll", "event", "--ops", "send,read,write", "--bw-bytes", "8M",
                           "--no-progress", "--json"], capture_output=True, text=True, timeout=900)  # fmt: skip
