@@ -672,7 +672,7 @@ def run_in_vm(
     if wire is not None:
         netdev = (f"-netdev stream,id=wire,server={'on' if wire.listen else 'off'},addr.type=unix,"
                   f"addr.path={wire.socket} -device virtio-net-pci,netdev=wire,mac={wire.mac}")  # fmt: skip
-        argv += ["--disable-microvm", "--qemu-opts", netdev]
+        argv += ["--disable-microvm", f"--qemu-opts={netdev}"]  # (with "=": the value starts with "-")
     for d in [*writable, scratch]:
         argv += ["--rwdir", str(d)]
     argv += ["--", guest_cmd]
