@@ -46,14 +46,15 @@ from typing import Any
 from ._core import Core
 from ._protocol import Half
 
-__all__ = ["AiordmaTransport"]
+__all__ = ["AiordmaTransport", "reset_error"]
 
 log = logging.getLogger("aiordma")
 
 _DEFAULT_HIGH = 64 << 10
 
 
-def _reset(core: Core) -> ConnectionResetError:
+def reset_error(core: Core) -> ConnectionResetError:
+    """The ``ConnectionResetError`` asyncio's API raises for a broken connection (its cause: why)."""
     err = ConnectionResetError(f"the connection is broken: {core.error}")
     err.__cause__ = core.error
     return err
@@ -155,7 +156,7 @@ class AiordmaTransport(asyncio.Transport):
         protocol = self._protocol
         link = self._link
         if core.error is not None and not (rbuf and self._reading):
-            self._fatal(_reset(core), None)
+            self._fatal(reset_error(core), None)
             return
         while rbuf and self._reading and not self._closing:
             if self._buffered:
@@ -181,7 +182,7 @@ class AiordmaTransport(asyncio.Transport):
         if rbuf or self._closing or not self._reading:
             return
         if core.error is not None:  # (after the bytes that came before it)
-            self._fatal(_reset(core), None)
+            self._fatal(reset_error(core), None)
             return
         if core.peer_eof and not self._eof_delivered:
             self._eof_delivered = True

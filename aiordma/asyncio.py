@@ -35,6 +35,7 @@ from ._links import DEFAULT_KEEPALIVE, AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
+from ._transport import reset_error as _reset
 from ._rdma.device import DeviceHold
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
 
@@ -51,12 +52,6 @@ __all__ = [
 
 _DEFAULT_LIMIT = 2**16
 _EOF = Half.EOF
-
-
-def _reset(core: Core) -> ConnectionResetError:
-    err = ConnectionResetError(f"the connection is broken: {core.error}")
-    err.__cause__ = core.error
-    return err
 
 
 class StreamReader:
