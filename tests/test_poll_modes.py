@@ -11,6 +11,7 @@ simulated wire.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -198,8 +199,11 @@ async def test_a_spinning_watch_lets_the_loop_run_between_spins(anyio_backend: A
                 while spins < 10:
                     await anyio.sleep(0.001)
         assert spins == 10
-        # the other task ran between spins: the loop was never starved
-        assert len(set(seen)) > 5, seen
+        # the other task ran between spins: the loop was never starved.  (Under trio a batch
+        # runs its tasks in random order, so two spins in a row may see the same progress --
+        # (other, spin) then (spin, other) -- but never three: that would be a batch without it.)
+        longest = max(sum(1 for _ in group) for _, group in itertools.groupby(seen))
+        assert longest <= 2 and seen[-1] > seen[0], seen
         await anyio.sleep(0.05)
         assert spins == 10  # it stopped when spin() said so, and the fd is quiet
     finally:
