@@ -44,9 +44,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._core import Core
-from ._protocol import Half
+from ._protocol import Half, Mode
 
-__all__ = ["AiordmaTransport", "reset_error"]
+__all__ = ["AiordmaTransport", "extra_info", "reset_error"]
 
 log = logging.getLogger("aiordma")
 
@@ -58,6 +58,22 @@ def reset_error(core: Core) -> ConnectionResetError:
     err = ConnectionResetError(f"the connection is broken: {core.error}")
     err.__cause__ = core.error
     return err
+
+
+def extra_info(core: Core, link: Any, name: str, default: Any = None) -> Any:
+    """``get_extra_info`` of aiordma's asyncio objects: ``"aiordma_transport"`` (``"tcp"`` or
+    ``"rdma"``), ``"aiordma_fallback_reason"``, ``"aiordma_mode"``; the other names from the
+    TCP transport underneath (``peername``, ``sockname``, ``socket``, ``ssl_object`` ...)."""
+    if name == "aiordma_transport":
+        return core.transport
+    if name == "aiordma_fallback_reason":
+        return core.fallback_reason
+    if name == "aiordma_mode":
+        return "stream" if core.proto.mode is Mode.STREAM else "messages"
+    transport = link.transport
+    if transport is None:
+        return default
+    return transport.get_extra_info(name, default)
 
 
 class AiordmaTransport(asyncio.Transport):
@@ -410,15 +426,7 @@ class AiordmaTransport(asyncio.Transport):
     # -- the rest of asyncio.Transport ---------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        core = self._core
-        if name == "aiordma_transport":
-            return core.transport
-        if name == "aiordma_fallback_reason":
-            return core.fallback_reason
-        transport = self._link.transport
-        if transport is None:
-            return default
-        return transport.get_extra_info(name, default)
+        return extra_info(self._core, self._link, name, default)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol

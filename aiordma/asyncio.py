@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -35,6 +35,7 @@ from ._links import DEFAULT_KEEPALIVE, AsyncioLink
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
+from ._transport import extra_info
 from ._transport import reset_error as _reset
 from ._rdma.device import DeviceHold
 from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
@@ -302,17 +303,7 @@ class StreamWriter:
         return transport
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        core = self._core
-        if name == "aiordma_transport":
-            return core.transport
-        if name == "aiordma_fallback_reason":
-            return core.fallback_reason
-        if name == "aiordma_mode":
-            return "stream" if self._proto.mode is Mode.STREAM else "messages"
-        transport = self._link.transport
-        if transport is None:
-            return default
-        return transport.get_extra_info(name, default)
+        return extra_info(self._core, self._link, name, default)
 
     def __repr__(self) -> str:
         return f"<aiordma.asyncio.StreamWriter transport={self._core.transport}>"
@@ -322,6 +313,14 @@ def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
     link = core.link  # an AsyncioLink, or the RdmaLink that took over from it
     reader = StreamReader(core, limit)
     return reader, StreamWriter(core, link, reader)
+
+
+async def _open_stream(host: str, port: int, opts: Options) -> Core:
+    """Connect a byte stream; a handshake the link broke is asyncio's ``ConnectionResetError``."""
+    try:
+        return await _open(host, port, Mode.STREAM, opts)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        raise ConnectionResetError(f"the connection failed during the handshake: {exc}") from exc
 
 
 async def open_connection(
@@ -348,10 +347,7 @@ async def open_connection(
         auth=auth,
         keepalive=keepalive,
     )
-    try:
-        core = await _open(host, port, Mode.STREAM, opts)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-        raise ConnectionResetError(f"the connection failed during the handshake: {exc}") from exc
+    core = await _open_stream(host, port, opts)
     return _pair(core, limit)
 
 
@@ -447,12 +443,9 @@ async def start_server(
         keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
-    local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
-    devices = DeviceHold()
 
-    async def serve_one(link: AsyncioLink) -> None:
+    async def serve_one(link: AsyncioLink, devices: DeviceHold) -> None:
         core = link.core
         if not await accept_handshake(core, opts, devices):
             return
@@ -467,13 +460,34 @@ async def start_server(
             )
             writer.close()
 
+    return await _listen(opts, host, port, serve_one, backlog=backlog, start_serving=start_serving)
+
+
+async def _listen(
+    opts: Options,
+    host: str | None,
+    port: int | None,
+    serve_one: Callable[[AsyncioLink, DeviceHold], Coroutine[Any, Any, None]],
+    *,
+    backlog: int,
+    start_serving: bool,
+    transports: set[Transport] | None = None,
+) -> Server:
+    """A listening :class:`Server` whose accepted TCP connections each get a task running
+    ``serve_one(link, devices)`` (the handshake, then the front end's part); a task's failure
+    goes to the loop's exception handler."""
+    local_offer(opts.transport, "server", tls=opts.ssl is not None, backend=opts.backend)  # strict policy: fail now
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    devices = DeviceHold()
+
     def done(task: asyncio.Task[None]) -> None:
         tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
 
     def on_made(link: AsyncioLink) -> None:
-        task = loop.create_task(serve_one(link))
+        task = loop.create_task(serve_one(link, devices))
         tasks.add(task)
         task.add_done_callback(done)
 
@@ -481,11 +495,11 @@ async def start_server(
         lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
         host,
         port or 0,
-        ssl=ssl,
+        ssl=opts.ssl,
         backlog=backlog,
         start_serving=start_serving,
     )
-    return Server(server, tasks, devices)
+    return Server(server, tasks, devices, transports)
 
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
@@ -518,10 +532,7 @@ async def create_connection(
         auth=auth,
         keepalive=keepalive,
     )
-    try:
-        core = await _open(host, port, Mode.STREAM, opts)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-        raise ConnectionResetError(f"the connection failed during the handshake: {exc}") from exc
+    core = await _open_stream(host, port, opts)
     protocol = protocol_factory()
     tr = Transport(core, protocol, asyncio.get_running_loop())
     try:
@@ -561,13 +572,10 @@ async def create_server(
         keepalive=keepalive,
         budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
     )
-    local_offer(opts.transport, "server", tls=ssl is not None, backend=rdma_backend)  # strict policy: fail now
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
     transports: set[Transport] = set()
-    devices = DeviceHold()
 
-    async def handshake(link: AsyncioLink) -> None:
+    async def handshake(link: AsyncioLink, devices: DeviceHold) -> None:
         core = link.core
         if not await accept_handshake(core, opts, devices):
             return
@@ -585,22 +593,5 @@ async def create_server(
             loop.call_exception_handler({"message": "connection_made() failed", "exception": exc, "transport": tr})
             tr.abort()
 
-    def done(task: asyncio.Task[None]) -> None:
-        tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
-
-    def on_made(link: AsyncioLink) -> None:
-        task = loop.create_task(handshake(link))
-        tasks.add(task)
-        task.add_done_callback(done)
-
-    server = await loop.create_server(
-        lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
-        host,
-        port or 0,
-        ssl=ssl,
-        backlog=backlog,
-        start_serving=start_serving,
-    )
-    return Server(server, tasks, devices, transports)
+    return await _listen(opts, host, port, handshake, backlog=backlog, start_serving=start_serving,
+                         transports=transports)  # fmt: skip

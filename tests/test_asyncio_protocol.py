@@ -22,27 +22,9 @@ import aiordma.asyncio as aa
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
 from ._leaks import no_fd_leak
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
+from .test_asyncio_api import anyio_backend  # noqa: F401  (asyncio and uvloop)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(
-            ("asyncio", {"loop_factory": uvloop.new_event_loop if uvloop else None}),
-            id="uvloop",
-            marks=pytest.mark.skipif(uvloop is None, reason="uvloop is not installed"),
-        ),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> Any:
-    return request.param
 
 
 KINDS = [

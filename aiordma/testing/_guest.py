@@ -106,6 +106,22 @@ def _read(path: Path) -> str:
         return ""
 
 
+def wait_active(dev: str, want_gid: str, deadline: float) -> None:
+    """Wait until ``dev``'s port 1 is ACTIVE with ``want_gid`` at GID index 1."""
+    port = SYS_IB / dev / "ports" / "1"
+    while True:
+        state = _read(port / "state")
+        gid = _read(port / "gids" / "1")
+        if "ACTIVE" in state and gid == want_gid:
+            return
+        if time.monotonic() >= deadline:
+            raise SetupError(
+                f"{dev} not ready: port state {state or '(missing)'!r}, "
+                f"GID[1] {gid or '(missing)'!r} (want {want_gid})"
+            )
+        time.sleep(0.1)
+
+
 def setup_devices(count: int, deadline: float) -> None:
     def remaining() -> float:
         left = deadline - time.monotonic()
@@ -125,19 +141,7 @@ def setup_devices(count: int, deadline: float) -> None:
 
     for i in range(count):
         dev = device_name(i)
-        port = SYS_IB / dev / "ports" / "1"
-        want_gid = rocev2_gid(i)
-        while True:
-            state = _read(port / "state")
-            gid = _read(port / "gids" / "1")
-            if "ACTIVE" in state and gid == want_gid:
-                break
-            if time.monotonic() >= deadline:
-                raise SetupError(
-                    f"{dev} not ready: port state {state or '(missing)'!r}, "
-                    f"GID[1] {gid or '(missing)'!r} (want {want_gid})"
-                )
-            time.sleep(0.1)
+        wait_active(dev, rocev2_gid(i), deadline)
         info = run(["ibv_devinfo", "-d", dev], timeout=min(60.0, remaining()))
         if "PORT_ACTIVE" not in info.stdout:
             raise SetupError(f"ibv_devinfo -d {dev} does not show PORT_ACTIVE:\n{info.stdout}")
@@ -170,16 +174,7 @@ def setup_wire(wire: dict[str, Any], deadline: float) -> None:
     if wire.get("netem"):
         run(["tc", "qdisc", "add", "dev", nic, "root", "netem", *str(wire["netem"]).split()], timeout=30.0)
     run(["rdma", "link", "add", "rxe0", "type", "rxe", "netdev", nic], timeout=min(60.0, remaining()))
-    port = SYS_IB / "rxe0" / "ports" / "1"
-    want_gid = rocev2_gid_of(address)
-    while True:
-        state = _read(port / "state")
-        gid = _read(port / "gids" / "1")
-        if "ACTIVE" in state and gid == want_gid:
-            break
-        if time.monotonic() >= deadline:
-            raise SetupError(f"rxe0 on {nic} not ready: port state {state!r}, GID[1] {gid!r} (want {want_gid})")
-        time.sleep(0.1)
+    wait_active("rxe0", rocev2_gid_of(address), deadline)
 
 
 def quiet_console() -> None:
