@@ -31,6 +31,7 @@ timings (boot + device setup, command) are printed on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -607,6 +608,7 @@ def run_in_vm(
     keep_scratch: bool = False,
     quiet: bool = False,
     wire: Wire | None = None,
+    on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> VMResult:
     """Boot a Soft-RoCE guest, set up *devices* rxe devices and run *cmd* in it.
 
@@ -621,6 +623,7 @@ def run_in_vm(
     status (:data:`EXIT_TIMEOUT` when it timed out).  Raises
     :class:`MissingDependencies`, :class:`VMBootError` or :class:`VMError`
     when the command could not be run to completion for reasons of the guest.
+    ``on_start`` gets the vng process (whose process group is the guest's qemu) once started.
     """
     if not cmd:
         raise ValueError("cmd must not be empty")
@@ -698,6 +701,8 @@ def run_in_vm(
             cwd=run_cwd,
             start_new_session=True,
         )
+        if on_start is not None:
+            on_start(proc)
         pump = _StreamPump(proc, console, capture=capture_output, show_console=show_console)
         host_timed_out = False
         try:
@@ -793,46 +798,101 @@ def run_two_hosts(
     cpus: int = 1,
     memory: str = "1G",
     boot_timeout: float = DEFAULT_BOOT_TIMEOUT,
+    env: Mapping[str, str] | None = None,
+    rwdirs: Sequence[str | os.PathLike[str]] | None = None,
+    linger: float = 120.0,
     **kwargs: object,
 ) -> tuple[VMResult, VMResult]:
     """Boot two Soft-RoCE guests joined by one virtual wire and run ``cmd_a`` in the first
     (``198.18.0.1``) and ``cmd_b`` in the second (``198.18.0.2``), at the same time.
 
-    The wire is a qemu stream netdev on a unix socket in a scratch directory: no address on the
-    host, RoCEv2 packets between two kernels.  Each guest has ``rxe0`` on its NIC (MTU ``mtu``:
-    rxe's path MTU is 4096 with the default 4200), one vCPU and 1 GiB by default (two TCG guests
-    on two cores), and gets ``AIORDMA_HOST_ADDRESS`` / ``AIORDMA_PEER_ADDRESS``.  ``netem``:
-    ``tc netem`` specs for the NICs of a and b (``"loss 1%"``; '' for none).  Other keyword
-    arguments go to :func:`run_in_vm` for both.  Returns both results (a, b); raises the first
-    guest's error if one could not run its command."""
+    The wire is a relay on the host (:class:`aiordma.testing._wire.WireRelay`) between two
+    qemu stream netdevs on unix sockets in a scratch directory: no address on the host, RoCEv2
+    packets between two kernels, and faults on request from the guests (an outage; a guest
+    killed, and booted again with its command).  Each guest has ``rxe0`` on its NIC (MTU
+    ``mtu``: rxe's path MTU is 4096 with the default 4200), one vCPU and 1 GiB by default (two
+    TCG guests on two cores), and gets ``AIORDMA_HOST_ADDRESS``, ``AIORDMA_PEER_ADDRESS`` and
+    ``AIORDMA_WIRE_CONTROL`` (the relay's control directory).  ``netem``: ``tc netem`` specs for
+    the NICs of a and b (``"loss 1%"``; '' for none).  Other keyword arguments go to
+    :func:`run_in_vm` for both.  Host a serves host b: once b's command has ended, a has
+    ``linger`` seconds to end too, then it is stopped (status :data:`EXIT_TIMEOUT`).  Returns both
+    results (a, b); a guest killed on request and not booted again gets status 0.  Raises the first guest's error if one could not
+    run its command."""
+    from aiordma.testing import _wire
+
     scratch = Path(tempfile.mkdtemp(prefix="aiordma-wire-"))
-    sock = scratch / "wire.sock"
     a, b = HOST_ADDRESSES
-    wires = (
-        Wire(sock, True, a, "52:54:00:00:00:01", mtu, netem[0], peer=b),
-        Wire(sock, False, b, "52:54:00:00:00:02", mtu, netem[1], peer=a),
-    )
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    killed = [False, False]
+    restart = [False, False]
+    stopped = [False, False]
+    started = [threading.Event(), threading.Event()]
     results: list[VMResult | None] = [None, None]
     errors: list[BaseException | None] = [None, None]
 
+    def kill(side: str, again: bool) -> None:
+        i = "ab".index(side)
+        proc = procs.get(i)
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"host {side} is not running")
+        started[i].clear()
+        killed[i], restart[i] = True, again
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # qemu and all: the guest's kernel sends nothing more
+        proc.wait(30)
+        _log(f"host {side} killed on request" + (" (booting it again)" if again else ""))
+
+    relay = _wire.WireRelay(scratch, kill=kill)
+    wires = (
+        Wire(relay.paths["a"], False, a, "52:54:00:00:00:01", mtu, netem[0], peer=b),
+        Wire(relay.paths["b"], False, b, "52:54:00:00:00:02", mtu, netem[1], peer=a),
+    )
+    guest_env = {**(env or {}), _wire.CONTROL_ENV: str(relay.control)}
+    writable = [*(rwdirs if rwdirs is not None else [project_dir()]), relay.control]
+
     def run(i: int, cmd: Sequence[str]) -> None:
-        try:
-            results[i] = run_in_vm(cmd, timeout=timeout, cpus=cpus, memory=memory, boot_timeout=boot_timeout,
-                                   wire=wires[i], **kwargs)  # type: ignore[arg-type]  # fmt: skip
-        except BaseException as exc:  # (reported below, from the caller's thread)
-            errors[i] = exc
+        def on_start(proc: subprocess.Popen[bytes]) -> None:
+            procs[i] = proc
+            started[i].set()
+
+        while True:
+            try:
+                results[i] = run_in_vm(cmd, timeout=timeout, cpus=cpus, memory=memory, boot_timeout=boot_timeout,
+                                       wire=wires[i], env=guest_env, rwdirs=writable, on_start=on_start,
+                                       **kwargs)  # type: ignore[arg-type]  # fmt: skip
+            except VMBootError as exc:
+                if not killed[i]:
+                    errors[i] = exc
+                    return
+                if exc.scratch is not None:
+                    shutil.rmtree(exc.scratch, ignore_errors=True)
+            except BaseException as exc:  # (reported below, from the caller's thread)
+                errors[i] = exc
+                return
+            if not killed[i]:
+                return
+            killed[i] = False
+            if not restart[i]:
+                results[i] = VMResult(list(cmd), EXIT_TIMEOUT if stopped[i] else 0, None, None, boot_seconds=0.0,
+                                      setup_seconds=0.0, command_seconds=0.0, total_seconds=0.0,
+                                      timed_out=stopped[i])  # fmt: skip
+                return
 
     try:
-        first = threading.Thread(target=run, args=(0, cmd_a), name="aiordma-vm-a")
-        first.start()
-        deadline = time.monotonic() + boot_timeout
-        while not sock.exists() and first.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)  # the second guest's qemu connects to the first one's socket
-        second = threading.Thread(target=run, args=(1, cmd_b), name="aiordma-vm-b")
-        second.start()
-        first.join()
-        second.join()
+        threads = [threading.Thread(target=run, args=(i, cmd), name=f"aiordma-vm-{'ab'[i]}")
+                   for i, cmd in enumerate((cmd_a, cmd_b))]  # fmt: skip
+        for t in threads:
+            t.start()
+        threads[1].join()
+        threads[0].join(linger)
+        if threads[0].is_alive() and procs.get(0) is not None:
+            _log(f"host a did not end within {linger:.0f} s of host b's command: stopping it")
+            stopped[0] = True
+            with contextlib.suppress(RuntimeError):
+                kill("a", False)
+        threads[0].join()
     finally:
+        relay.close()
         shutil.rmtree(scratch, ignore_errors=True)
     for error in errors:
         if error is not None:

@@ -1,0 +1,141 @@
+"""The two-host bed's wire relay, on the host: two fake qemu NICs (clients of its unix sockets,
+speaking qemu's stream framing) and the guests' fault requests through the control directory."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from aiordma.testing._wire import WireRelay, request
+
+
+def nic(relay: WireRelay, side: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(relay.paths[side]))
+    s.settimeout(5)
+    return s
+
+
+def send_frame(s: socket.socket, frame: bytes) -> None:
+    s.sendall(struct.pack(">I", len(frame)) + frame)
+
+
+def recv_frame(s: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            assert chunk, "closed"
+            buf += chunk
+        return buf
+
+    (n,) = struct.unpack(">I", exactly(4))
+    return exactly(n)
+
+
+def connected(relay: WireRelay, *sides: str) -> None:
+    deadline = time.monotonic() + 5
+    while not all(f"{s} connected" in relay.log for s in sides):
+        assert time.monotonic() < deadline, relay.log
+        time.sleep(0.01)
+
+
+def test_frames_cross_both_ways_whole_and_in_order(tmp_path: Path) -> None:
+    with WireRelay(tmp_path) as relay:
+        a, b = nic(relay, "a"), nic(relay, "b")
+        connected(relay, "a", "b")
+        frames = [bytes([i]) * (i * 97 % 9000 + 1) for i in range(50)]
+        for f in frames:
+            send_frame(a, f)
+        assert [recv_frame(b) for _ in frames] == frames
+        send_frame(b, b"back")
+        assert recv_frame(a) == b"back"
+        assert relay.forwarded == {"a": 50, "b": 1}
+        a.close()
+        b.close()
+
+
+def test_an_outage_drops_frames_then_ends_by_itself(tmp_path: Path) -> None:
+    with WireRelay(tmp_path) as relay:
+        a, b = nic(relay, "a"), nic(relay, "b")
+        connected(relay, "a", "b")
+        relay.drop(True, seconds=0.3)
+        send_frame(a, b"lost")
+        send_frame(b, b"lost too")
+        time.sleep(0.4)
+        send_frame(a, b"after")
+        assert recv_frame(b) == b"after"  # (not "lost": it was dropped)
+        assert relay.dropped == {"a": 1, "b": 1}
+        a.close()
+        b.close()
+
+
+def test_a_guest_asks_for_faults_through_the_control_directory(tmp_path: Path) -> None:
+    kills: list[tuple[str, bool]] = []
+    with WireRelay(tmp_path, kill=lambda side, again: kills.append((side, again))) as relay:
+        a, b = nic(relay, "a"), nic(relay, "b")
+        connected(relay, "a", "b")
+        ctl = str(relay.control)
+        t0 = time.monotonic()
+        answer = request("drop", seconds=0.2, control=ctl, timeout=10)
+        assert answer["ok"] and answer["host_seconds"] >= 0.2 and time.monotonic() - t0 >= 0.2
+        request("drop", on=True, control=ctl, timeout=10)
+        assert relay.dropping()
+        request("drop", on=False, control=ctl, timeout=10)
+        assert not relay.dropping()
+        request("kill", side="a", restart=True, control=ctl, timeout=10)
+        assert kills == [("a", True)]
+        with pytest.raises(RuntimeError, match="cannot kill 'c'"):
+            request("kill", side="c", control=ctl, timeout=10)
+        with pytest.raises(RuntimeError, match="unknown op"):
+            request("explode", control=ctl, timeout=10)
+        send_frame(a, b"x")
+        recv_frame(b)
+        assert request("stats", control=ctl, timeout=10)["forwarded"]["a"] == 1
+        a.close()
+        b.close()
+
+
+def test_a_guest_booted_again_reconnects_and_a_bad_length_closes_only_that_nic(tmp_path: Path) -> None:
+    with WireRelay(tmp_path) as relay:
+        a, b = nic(relay, "a"), nic(relay, "b")
+        connected(relay, "a", "b")
+        a.sendall(struct.pack(">I", 1 << 30))  # (no qemu sends this)
+        assert a.recv(1) == b""
+        a2 = nic(relay, "a")  # the guest's qemu again
+        deadline = time.monotonic() + 5
+        while relay.log.count("a connected") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        send_frame(b, b"hello again")
+        assert recv_frame(a2) == b"hello again"
+        for s in (a, a2, b):
+            s.close()
+
+
+def test_outside_the_bed_a_request_says_so() -> None:
+    import os
+
+    if os.environ.get("AIORDMA_WIRE_CONTROL"):
+        pytest.skip("(inside the bed)")
+    with pytest.raises(LookupError, match="two-host bed"):
+        request("stats")
+
+
+def test_closing_the_relay_stops_its_threads(tmp_path: Path) -> None:
+    before = threading.active_count()
+    relay = WireRelay(tmp_path)
+    a = nic(relay, "a")
+    connected(relay, "a")
+    relay.close()
+    assert a.recv(1) == b""
+    a.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before:
+        assert time.monotonic() < deadline, threading.enumerate()
+        time.sleep(0.02)
