@@ -1,6 +1,6 @@
 """The far end of the cross-host tests: a small aiordma service for host a of the two-guest bed.
 
-    python -m aiordma.testing.peer [--host ADDR] [--timeout S]
+    python -m aiordma.testing.peer [--host ADDR] [--timeout S] [--victim PORT]
 
 Listens on ``ADDR`` (default ``$AIORDMA_HOST_ADDRESS``) with ``transport="rdma"`` (strict: a
 cross-host test that silently ran on TCP would prove nothing; ``--transport tcp`` only for the
@@ -13,6 +13,13 @@ host's check of the suite itself):
   * ``EXPOSE <n> <seed>`` -> exposes ``n`` bytes (``seed``'s pattern) for reading and writing,
     sends the descriptor, and on the next message (``DONE``) answers the SHA-256 of what the
     buffer then holds (what the client wrote landed, and nothing else changed);
+  * ``SINK`` -> takes messages until ``END`` and answers ``<count> <SHA-256 of them all>``;
+  * ``TAG <name>`` -> names this connection in the service's record of how connections ended;
+    ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
+    ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
+  * ``NETEM <spec>`` -> ``tc netem`` on this host's wire NIC (``NETEM`` alone: removed);
+  * ``VICTIM`` -> starts a second service process (channels on port 7102) and answers once it
+    listens; ``KILL`` -> SIGKILLs it (the process-crash test) and answers ``killed``;
   * ``QUIT`` -> the service ends (so does ``--timeout``, 1800 s by default: bounded);
 * port 7101, byte streams: echoes everything until EOF.
 """
@@ -20,10 +27,16 @@ host's check of the suite itself):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import json
 import os
 import random
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import anyio
 
@@ -39,54 +52,181 @@ def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-async def _channel(ch: aiordma.Channel, stop: anyio.Event) -> None:
-    async with ch:
-        while True:
-            try:
-                msg = await ch.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return
-            verb, _, rest = msg.partition(b" ")
-            if verb == b"ECHO":
-                await ch.send(rest)
-            elif verb == b"SUM":
-                with aiordma.RegisteredBuffer(int(rest)) as buf:
-                    n = await ch.receive_into(buf)
-                    await ch.send(hashlib.sha256(memoryview(buf)[:n]).hexdigest().encode())
-            elif verb == b"EXPOSE":
-                size, seed = (int(x) for x in rest.split())
-                with aiordma.RegisteredBuffer(size) as buf:
-                    memoryview(buf)[:] = pattern(size, seed)
-                    async with ch.expose(buf, read=True, write=True) as remote:
-                        await ch.send(remote.to_bytes())
-                        await ch.receive()  # DONE
-                    await ch.send(hashlib.sha256(buf).hexdigest().encode())
-            elif verb == b"QUIT":
-                stop.set()
-                return
+VICTIM_PORT = 7102
+_NETEM = re.compile(r"^[a-z0-9.% ]{0,80}$")
 
 
-async def _stream(s: aiordma.Stream) -> None:
-    async with s:
-        try:
+@dataclasses.dataclass
+class _Record:
+    tag: str = ""
+    error: str | None = None
+    detail: str = ""
+    last: float = dataclasses.field(default_factory=time.monotonic)
+    idle: float = 0.0
+    ended: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+
+
+@dataclasses.dataclass
+class _Service:
+    stop: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    records: list[_Record] = dataclasses.field(default_factory=list)
+    victim: subprocess.Popen[str] | None = None
+    host: str = ""
+    transport: str = "rdma"
+
+    def record(self) -> _Record:
+        rec = _Record()
+        self.records.append(rec)
+        return rec
+
+    def end(self, rec: _Record, exc: BaseException | None) -> None:
+        rec.idle = time.monotonic() - rec.last
+        if exc is not None and not isinstance(exc, anyio.EndOfStream):
+            rec.error, rec.detail = type(exc).__name__, str(exc)
+        rec.ended.set()
+
+
+async def _run(argv: list[str]) -> str:
+    done = await anyio.run_process(argv, check=False, stderr=subprocess.STDOUT)
+    return "ok" if done.returncode == 0 else "error " + done.stdout.decode(errors="replace").strip()
+
+
+async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes, rest: bytes) -> bool:
+    """One request; False when the service is told to quit."""
+    if verb == b"ECHO":
+        await ch.send(rest)
+    elif verb == b"SUM":
+        with aiordma.RegisteredBuffer(int(rest)) as buf:
+            n = await ch.receive_into(buf)
+            rec.last = time.monotonic()
+            await ch.send(hashlib.sha256(memoryview(buf)[:n]).hexdigest().encode())
+    elif verb == b"EXPOSE":
+        size, seed = (int(x) for x in rest.split())
+        with aiordma.RegisteredBuffer(size) as buf:
+            memoryview(buf)[:] = pattern(size, seed)
+            async with ch.expose(buf, read=True, write=True) as remote:
+                await ch.send(remote.to_bytes())
+                await ch.receive()  # DONE
+            await ch.send(hashlib.sha256(buf).hexdigest().encode())
+    elif verb == b"SINK":
+        digest, count = hashlib.sha256(), 0
+        while (msg := await ch.receive()) != b"END":
+            rec.last = time.monotonic()
+            digest.update(msg)
+            count += 1
+        await ch.send(b"%d %s" % (count, digest.hexdigest().encode()))
+    elif verb == b"TAG":
+        rec.tag = rest.decode()
+        await ch.send(b"ok")
+    elif verb == b"STATUS":
+        wanted = rest.decode()
+        with anyio.move_on_after(20):
+            while not any(r.tag == wanted and r.ended.is_set() for r in svc.records):
+                await anyio.sleep(0.1)  # (a test's wait for another connection's end; bounded)
+        found = [{"error": r.error, "detail": r.detail, "idle": r.idle} for r in svc.records
+                 if r.tag == wanted and r.ended.is_set()]  # fmt: skip
+        await ch.send(json.dumps(found).encode())
+    elif verb == b"NETEM":
+        spec = rest.decode()
+        if not _NETEM.match(spec):
+            await ch.send(b"error: bad netem spec")
+        else:
+            from aiordma.testing._guest import wire_nic
+
+            nic = wire_nic()
+            argv = ["tc", "qdisc", "replace", "dev", nic, "root", "netem", *spec.split()] if spec.strip() else (
+                ["tc", "qdisc", "del", "dev", nic, "root"])  # fmt: skip
+            answer = await _run(argv)
+            await ch.send(b"ok" if not spec.strip() else answer.encode())
+    elif verb == b"VICTIM":
+        await ch.send(await _start_victim(svc))
+    elif verb == b"KILL":
+        if svc.victim is None:
+            await ch.send(b"error: no victim")
+        else:
+            svc.victim.send_signal(signal.SIGKILL)
+            await anyio.to_thread.run_sync(svc.victim.wait)
+            svc.victim = None
+            await ch.send(b"killed")
+    elif verb == b"QUIT":
+        svc.stop.set()
+        return False
+    else:
+        await ch.send(b"error: unknown verb " + verb[:40])
+    return True
+
+
+async def _start_victim(svc: _Service) -> bytes:
+    if svc.victim is not None:
+        svc.victim.kill()
+        await anyio.to_thread.run_sync(svc.victim.wait)
+    proc = subprocess.Popen([sys.executable, "-m", "aiordma.testing.peer", "--host", svc.host, "--transport",
+                             svc.transport, "--victim", str(VICTIM_PORT), "--timeout", "600"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    line = await anyio.to_thread.run_sync(proc.stdout.readline)
+    if not line.startswith("peer: serving"):
+        proc.kill()
+        proc.wait()
+        return b"error: the victim did not start"
+    svc.victim = proc
+    return b"ok %d" % proc.pid
+
+
+async def _channel(ch: aiordma.Channel, svc: _Service) -> None:
+    rec = svc.record()
+    error: BaseException | None = None
+    try:
+        async with ch:
             while True:
-                await s.send(await s.receive(1 << 20))
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
+                msg = await ch.receive()
+                rec.last = time.monotonic()
+                verb, _, rest = msg.partition(b" ")
+                if not await _command(svc, rec, ch, verb, rest):
+                    return
+    except Exception as exc:  # (recorded for STATUS: how this connection ended)
+        error = exc
+        if not isinstance(exc, (anyio.EndOfStream, anyio.BrokenResourceError, aiordma.AiordmaError)):
+            print(f"peer: a channel failed: {exc!r}", file=sys.stderr, flush=True)
+    finally:
+        svc.end(rec, error)
 
 
-async def serve(host: str, timeout: float, transport: str = "rdma") -> None:
-    stop = anyio.Event()
-    channels = await aiordma.create_channel_listener(host, CHANNEL_PORT, transport=transport,
+async def _stream(s: aiordma.Stream, svc: _Service) -> None:
+    rec = svc.record()
+    rec.tag = "stream"
+    error: BaseException | None = None
+    try:
+        async with s:
+            while True:
+                data = await s.receive(1 << 20)
+                rec.last = time.monotonic()
+                await s.send(data)
+    except Exception as exc:  # (recorded, as for channels)
+        error = exc
+    finally:
+        svc.end(rec, error)
+
+
+async def serve(host: str, timeout: float, transport: str = "rdma", victim: int = 0) -> None:
+    svc = _Service(host=host, transport=transport)
+    channels = await aiordma.create_channel_listener(host, victim or CHANNEL_PORT, transport=transport,
                                                      max_message_size=MAX_MESSAGE)  # fmt: skip
-    streams = await aiordma.create_listener(host, STREAM_PORT, transport=transport)
-    async with channels, streams, anyio.create_task_group() as tg:
-        tg.start_soon(channels.serve, lambda ch: _channel(ch, stop), tg)
-        tg.start_soon(streams.serve, _stream, tg)
-        print(f"peer: serving on {host}:{CHANNEL_PORT} (channels) and :{STREAM_PORT} (streams)", flush=True)
-        with anyio.move_on_after(timeout):
-            await stop.wait()
-        tg.cancel_scope.cancel()
+    try:
+        async with channels, anyio.create_task_group() as tg:
+            tg.start_soon(channels.serve, lambda ch: _channel(ch, svc), tg)
+            if not victim:
+                streams = await aiordma.create_listener(host, STREAM_PORT, transport=transport)
+                tg.start_soon(streams.serve, lambda s: _stream(s, svc), tg)
+            ports = f":{victim} (channels)" if victim else f":{CHANNEL_PORT} (channels) and :{STREAM_PORT} (streams)"
+            print(f"peer: serving on {host}{ports}", flush=True)
+            with anyio.move_on_after(timeout):
+                await svc.stop.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        if svc.victim is not None:
+            svc.victim.kill()
+            svc.victim.wait()
     print("peer: done", flush=True)
 
 
@@ -95,8 +235,9 @@ def main() -> int:
     p.add_argument("--host", default=os.environ.get("AIORDMA_HOST_ADDRESS", "198.18.0.1"))
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--transport", default="rdma", help="rdma (the bed), or tcp (the suite's own host check)")
+    p.add_argument("--victim", type=int, default=0, metavar="PORT", help="(internal) the VICTIM service's process")
     args = p.parse_args()
-    anyio.run(serve, args.host, args.timeout, args.transport)
+    anyio.run(serve, args.host, args.timeout, args.transport, args.victim)
     return 0
 
 
