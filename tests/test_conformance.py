@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import aiordma
 from aiordma import RdmaBackend, RdmaConfig
 from aiordma.testing import channel_pair, simulated_backend, stream_pair
+from aiordma.testing._remote_end import remote_pair
 
 from ._leaks import no_fd_leak
 
@@ -42,7 +43,14 @@ KINDS = [
     pytest.param("rdma-checked", id="rdma-checked", marks=pytest.mark.rdma),
     pytest.param("rdma-adaptive", id="rdma-adaptive", marks=pytest.mark.rdma),
     pytest.param("rdma-busy", id="rdma-busy", marks=pytest.mark.rdma),
+    # across two hosts: the far end on host a of the two-guest bed (tests/test_twohost.py)
+    pytest.param("twohost", id="twohost", marks=pytest.mark.twohost),
 ]
+
+#: the two-host kind: host a's address, and the transport (rdma in the bed; the host's own check
+#: of this kind, test_twohost.test_twohost_suite_runs_on_the_host, sets tcp)
+PEER = os.environ.get("AIORDMA_PEER_ADDRESS", "")
+TWOHOST_TRANSPORT = os.environ.get("AIORDMA_TWOHOST_TRANSPORT", "rdma")
 
 #: variant -> (pair kind, RdmaConfig fields)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,6 +64,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def _pair_args(kind: str, extra: dict[str, Any] | None = None) -> tuple[str, RdmaBackend | None]:
     """The pair kind and RDMA backend of a test kind (a variant names a config; ``extra``:
     more RdmaConfig fields, for the RDMA kinds)."""
+    if kind == "twohost":
+        return TWOHOST_TRANSPORT, None
     if kind not in VARIANTS:
         if not extra or kind not in ("sim", "rdma"):
             return kind, None
@@ -74,6 +84,10 @@ HYPOTHESIS = settings(
 
 @asynccontextmanager
 async def streams(kind: str) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stream]]:
+    if kind == "twohost":
+        async with no_fd_leak(), remote_pair(PEER, "stream", transport=TWOHOST_TRANSPORT) as remote:
+            yield remote  # type: ignore[misc]
+        return
     base, backend = _pair_args(kind)
     async with no_fd_leak():
         async with stream_pair(base, rdma_backend=backend) as pair:  # type: ignore[arg-type]
@@ -83,6 +97,11 @@ async def streams(kind: str) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stre
 @asynccontextmanager
 async def channels(kind: str, limit: int = SMALL_LIMIT,
                    config: dict[str, Any] | None = None) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:  # fmt: skip
+    if kind == "twohost":
+        async with no_fd_leak(), remote_pair(PEER, "channel", transport=TWOHOST_TRANSPORT, limit=limit,
+                                             config=config) as remote:  # fmt: skip
+            yield remote  # type: ignore[misc]
+        return
     base, backend = _pair_args(kind, config)
     async with no_fd_leak():
         async with channel_pair(base, max_message_size=limit, rdma_backend=backend) as pair:  # type: ignore[arg-type]
@@ -110,6 +129,12 @@ async def read_to_eof(stream: aiordma.Stream) -> bytes:
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     kind = str(request.param)
+    if kind == "twohost":
+        if not PEER:
+            pytest.skip("needs the two-host bed (AIORDMA_PEER_ADDRESS)")
+        name, options = request.getfixturevalue("anyio_backend") if "anyio_backend" in request.fixturenames else ("asyncio", {})
+        if name != "asyncio" or options:
+            pytest.skip("across hosts, under asyncio only (two TCG guests are slow)")
     if kind in VARIANTS and kind.startswith("rdma") and "anyio_backend" in request.fixturenames:
         name, options = request.getfixturevalue("anyio_backend")
         if name != "asyncio" or options:  # trio, or asyncio on uvloop

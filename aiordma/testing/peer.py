@@ -21,13 +21,16 @@ host's check of the suite itself):
   * ``VICTIM`` -> starts a second service process (channels on port 7102) and answers once it
     listens; ``KILL`` -> SIGKILLs it (the process-crash test) and answers ``killed``;
   * ``QUIT`` -> the service ends (so does ``--timeout``, 1800 s by default: bounded);
-* port 7101, byte streams: echoes everything until EOF.
+* port 7101, byte streams: echoes everything until EOF;
+* port 7103: the far ends of the conformance suite's ``twohost`` pairs
+  (:mod:`aiordma.testing._remote_end`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +44,7 @@ import time
 import anyio
 
 import aiordma
+from aiordma.testing._remote_end import serve_remote_ends
 
 CHANNEL_PORT = 7100
 STREAM_PORT = 7101
@@ -218,6 +222,7 @@ async def serve(host: str, timeout: float, transport: str = "rdma", victim: int 
             if not victim:
                 streams = await aiordma.create_listener(host, STREAM_PORT, transport=transport)
                 tg.start_soon(streams.serve, lambda s: _stream(s, svc), tg)
+                await tg.start(functools.partial(serve_remote_ends, host, transport=transport))
             ports = f":{victim} (channels)" if victim else f":{CHANNEL_PORT} (channels) and :{STREAM_PORT} (streams)"
             print(f"peer: serving on {host}{ports}", flush=True)
             with anyio.move_on_after(timeout):
