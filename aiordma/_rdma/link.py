@@ -53,7 +53,7 @@ from .._io import IOBackend, Watch, current_io
 from .._protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
-from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, wc_status_name
+from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, WCStatus, wc_status_name
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
@@ -116,6 +116,7 @@ class RdmaLink(Link):
         self._parking = io.parking()  # readers, senders and teardown wait here
         self._liveness: Watch | None = None
         self._tcp_lost = False
+        self._qp_errored = False
         self._closing = False
         self._closed_done = False
         self._close_task: asyncio.Task[None] | None = None
@@ -506,6 +507,8 @@ class RdmaLink(Link):
         session = self.session
         if session is not None and session.error is None and core.error is not None:
             session.fail(core.error)
+        if core.error is not None:
+            self._error_qp()
         self._wake_all()
 
     def _broke(self) -> None:
@@ -516,6 +519,22 @@ class RdmaLink(Link):
         core = self.core if self._active else None
         if core is not None and error is not None and core.error is None and not core.closed:
             core.on_error(error)
+        self._error_qp()
+
+    def _error_qp(self) -> None:
+        """The connection failed: stop the NIC now, not at ``aclose``.  Moving the QP to ERROR
+        completes every outstanding work request as a flush, so a task that waits for one (a
+        one-sided operation waits shielded: the NIC owns its memory until its completion) is
+        released at once, instead of after the peer's NIC answers -- which a dead host or a
+        silent wire never does.  The teardown later finds those flushes drained."""
+        qp = self.qp
+        if qp is None or self._qp_errored:
+            return
+        self._qp_errored = True
+        try:
+            qp.to_error()
+        except (RDMAError, OSError) as exc:
+            log.warning("aiordma: moving the failed connection's QP to ERROR: %s", exc)
 
     def _wake_all(self) -> None:
         self._parking.unpark_all()
@@ -948,6 +967,11 @@ class RdmaLink(Link):
         status = self._os_done.pop(seq, None)
         if status is None:
             raise BrokenResourceError("the RDMA connection ended before the operation completed")
+        if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
+            # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
+            broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
+            broken.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise broken
         if status:
             what = "WRITE" if write else "READ"
             err = RemoteMemoryError(

@@ -912,7 +912,7 @@ class QueuePair(_Resource):
 
     Bring it up with :meth:`to_init`, :meth:`to_rtr` (the remote QP number,
     GID and PSN) and :meth:`to_rts`, or :meth:`connect` for all three.  The
-    retry counts are finite by default (``retry_cnt=7`` transport retries,
+    retry counts are finite by default (``retry_cnt=6`` transport retries: rxe takes 7 as forever,
     ``rnr_retry=6``: 7 would mean retrying forever when the peer has no
     receive posted), so a dead or stalled peer ends in a failed completion
     (``IBV_WC_RETRY_EXC_ERR`` / ``IBV_WC_RNR_RETRY_EXC_ERR``) instead of a hang.
@@ -1029,7 +1029,7 @@ class QueuePair(_Resource):
         )
 
     def to_rts(
-        self, sq_psn: int = 0, *, timeout: int = 14, retry_cnt: int = 7, rnr_retry: int = 6, max_rd_atomic: int = 1
+        self, sq_psn: int = 0, *, timeout: int = 14, retry_cnt: int = 6, rnr_retry: int = 6, max_rd_atomic: int = 1
     ) -> None:
         """RTR -> RTS.  ``timeout`` is 4.096 us * 2**timeout (14: ~67 ms); ``rnr_retry`` 7 = infinite."""
         self._ensure_open("ibv_modify_qp(RTS)")

@@ -994,7 +994,7 @@ class SimQueuePair(_SimResource):
         self._transition(call, QPState.INIT, QPState.RTR)
         self._dest_qp_num, self._dgid = dest_qp_num, gid
 
-    def to_rts(self, sq_psn: int = 0, *, timeout: int = 14, retry_cnt: int = 7, rnr_retry: int = 6,
+    def to_rts(self, sq_psn: int = 0, *, timeout: int = 14, retry_cnt: int = 6, rnr_retry: int = 6,
                max_rd_atomic: int = 1) -> None:  # fmt: skip
         if not (0 <= retry_cnt <= 7 and 0 <= rnr_retry <= 7):
             raise ValueError("retry_cnt and rnr_retry are 0..7")
