@@ -488,3 +488,58 @@ async def test_a_cancelled_rendezvous_send_is_whole_or_absent(anyio_backend: Any
             while getattr(a._core.link, "rndv_staged", 0):
                 await a.send(b"")  # (each send lets the link take the peer's RNDV_DONEs)
                 assert await b.receive() == b""
+
+
+async def test_a_failed_connection_releases_an_operation_the_peer_never_acknowledges(anyio_backend: Any) -> None:
+    """A WRITE whose ACK never comes (a silent wire, a dead host) and then the connection fails
+    (here its TCP link ends): the QP goes to ERROR at once, the WRITE flushes, and the caller gets
+    ``BrokenResourceError`` with its buffer back -- not a wait for a completion that never comes
+    (the two-host bed's long outage hung so before)."""
+    import socket
+
+    from anyio.abc import SocketAttribute
+
+    from aiordma.testing import channel_pair, simulated_backend
+
+    backend = simulated_backend(aiordma.RdmaConfig())
+    fabric = backend.fabric  # type: ignore[attr-defined]
+    async with channel_pair("sim", rdma_backend=backend) as (a, b):
+        target = bytearray(1 << 16)
+        async with a.expose(target, write=True) as remote:
+            await a.send(remote.to_bytes())
+            desc = RemoteBuffer.from_bytes(await b.receive())
+            fabric.hold_acks = fabric.flush_held_on_error = True
+            local = RegisteredBuffer(1 << 16)
+            outcome: list[str] = []
+            done = anyio.Event()
+            try:
+                async with anyio.create_task_group() as tg:
+
+                    async def write() -> None:
+                        try:
+                            await b.write(desc, local)
+                            outcome.append("completed")
+                        except anyio.BrokenResourceError as exc:
+                            outcome.append(f"broken: {exc}")
+                        finally:
+                            done.set()
+
+                    tg.start_soon(write)
+                    for _ in range(20):
+                        await anyio.lowlevel.checkpoint()
+                    assert b._core.link.os_inflight, "the WRITE is waiting for its ACK"  # type: ignore[union-attr]
+                    raw = a._core.link.control.extra_attributes[SocketAttribute.raw_socket]()  # type: ignore[union-attr]
+                    with socket.socket(fileno=os.dup(raw.fileno())) as sock:  # (uvloop's socket has no shutdown)
+                        sock.shutdown(socket.SHUT_RDWR)  # the peer's end of the TCP link goes
+                    with anyio.move_on_after(5):
+                        await done.wait()
+                    stuck = not done.is_set()
+                    fabric.hold_acks = False
+                    fabric.release_acks()  # (what would have freed it: the ACK that never comes)
+                assert not stuck, "the WRITE waited for an ACK after its connection had failed"
+                assert outcome and "WR_FLUSH_ERR" in outcome[0], outcome
+                assert not local.busy
+            finally:
+                fabric.hold_acks = False
+                fabric.release_acks()
+                local.close()

@@ -340,7 +340,7 @@ class _Device:
 class SimFabric:
     """A simulated RDMA fabric: devices, and the RC wire between their QPs (the "verbs provider").
 
-    Fault knobs: :attr:`hold_acks` / :meth:`release_acks`, :meth:`kill_qp`,
+    Fault knobs: :attr:`hold_acks` / :meth:`release_acks` (and :attr:`flush_held_on_error`), :meth:`kill_qp`,
     :meth:`fail_next`, :meth:`post_async_event`.  :attr:`counters` counts
     posts, polls, events and errors for tests and benchmarks.
     """
@@ -348,6 +348,9 @@ class SimFabric:
     def __init__(self, *, seed: int = 0) -> None:
         #: when True, successful send-queue completions wait for :meth:`release_acks`
         self.hold_acks: bool = False
+        #: when True, a QP moved to ERROR flushes its held send completions (WR_FLUSH_ERR), as a
+        #: NIC does with work requests whose ACKs never came: with ``hold_acks``, a silent peer
+        self.flush_held_on_error: bool = False
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._rng = random.Random(seed)
         self._devices: dict[str, _Device] = {}
@@ -1029,6 +1032,14 @@ class SimQueuePair(_SimResource):
         if self._state == QPState.ERR:
             return
         self._state = QPState.ERR
+        fab = self._fabric
+        if fab.flush_held_on_error and self._held:
+            mine = [c for q, c in fab._held if q is self]
+            fab._held = [(q, c) for q, c in fab._held if q is not self]
+            self._held = 0
+            for c in mine:
+                c.status = WCStatus.WR_FLUSH_ERR
+                self.send_cq._push(c)
         recvs, self._recvs = self._recvs, deque()
         for wr_id, _addr, _len, _lkey in recvs:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
