@@ -38,9 +38,10 @@ def recv_frame(s: socket.socket) -> bytes:
     return exactly(n)
 
 
-def connected(relay: WireRelay, *sides: str) -> None:
+def connected(relay: WireRelay, *sides: str, times: int = 1) -> None:
+    """Wait until each side's NIC has connected ``times`` times."""
     deadline = time.monotonic() + 5
-    while not all(f"{s} connected" in relay.log for s in sides):
+    while not all(relay.log.count(f"{s} connected") >= times for s in sides):
         assert time.monotonic() < deadline, relay.log
         time.sleep(0.01)
 
@@ -108,10 +109,7 @@ def test_a_guest_booted_again_reconnects_and_a_bad_length_closes_only_that_nic(t
         a.sendall(struct.pack(">I", 1 << 30))  # (no qemu sends this)
         assert a.recv(1) == b""
         a2 = nic(relay, "a")  # the guest's qemu again
-        deadline = time.monotonic() + 5
-        while relay.log.count("a connected") < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        connected(relay, "a", times=2)
         send_frame(b, b"hello again")
         assert recv_frame(a2) == b"hello again"
         for s in (a, a2, b):
