@@ -3,11 +3,14 @@ speaking qemu's stream framing) and the guests' fault requests through the contr
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,10 +49,21 @@ def connected(relay: WireRelay, *sides: str, times: int = 1) -> None:
         time.sleep(0.01)
 
 
-def test_frames_cross_both_ways_whole_and_in_order(tmp_path: Path) -> None:
-    with WireRelay(tmp_path) as relay:
+@contextlib.contextmanager
+def wired(tmp_path: Path, **kwargs: Any) -> Iterator[tuple[WireRelay, socket.socket, socket.socket]]:
+    """A relay with both fake NICs connected; closes them and the relay afterwards."""
+    with WireRelay(tmp_path, **kwargs) as relay:
         a, b = nic(relay, "a"), nic(relay, "b")
         connected(relay, "a", "b")
+        try:
+            yield relay, a, b
+        finally:
+            a.close()
+            b.close()
+
+
+def test_frames_cross_both_ways_whole_and_in_order(tmp_path: Path) -> None:
+    with wired(tmp_path) as (relay, a, b):
         frames = [bytes([i]) * (i * 97 % 9000 + 1) for i in range(50)]
         for f in frames:
             send_frame(a, f)
@@ -57,14 +71,10 @@ def test_frames_cross_both_ways_whole_and_in_order(tmp_path: Path) -> None:
         send_frame(b, b"back")
         assert recv_frame(a) == b"back"
         assert relay.forwarded == {"a": 50, "b": 1}
-        a.close()
-        b.close()
 
 
 def test_an_outage_drops_frames_then_ends_by_itself(tmp_path: Path) -> None:
-    with WireRelay(tmp_path) as relay:
-        a, b = nic(relay, "a"), nic(relay, "b")
-        connected(relay, "a", "b")
+    with wired(tmp_path) as (relay, a, b):
         relay.drop(True, seconds=0.3)
         send_frame(a, b"lost")
         send_frame(b, b"lost too")
@@ -72,15 +82,11 @@ def test_an_outage_drops_frames_then_ends_by_itself(tmp_path: Path) -> None:
         send_frame(a, b"after")
         assert recv_frame(b) == b"after"  # (not "lost": it was dropped)
         assert relay.dropped == {"a": 1, "b": 1}
-        a.close()
-        b.close()
 
 
 def test_a_guest_asks_for_faults_through_the_control_directory(tmp_path: Path) -> None:
     kills: list[tuple[str, bool]] = []
-    with WireRelay(tmp_path, kill=lambda side, again: kills.append((side, again))) as relay:
-        a, b = nic(relay, "a"), nic(relay, "b")
-        connected(relay, "a", "b")
+    with wired(tmp_path, kill=lambda side, again: kills.append((side, again))) as (relay, a, b):
         ctl = str(relay.control)
         t0 = time.monotonic()
         answer = request("drop", seconds=0.2, control=ctl, timeout=10)
@@ -98,22 +104,17 @@ def test_a_guest_asks_for_faults_through_the_control_directory(tmp_path: Path) -
         send_frame(a, b"x")
         recv_frame(b)
         assert request("stats", control=ctl, timeout=10)["forwarded"]["a"] == 1
-        a.close()
-        b.close()
 
 
 def test_a_guest_booted_again_reconnects_and_a_bad_length_closes_only_that_nic(tmp_path: Path) -> None:
-    with WireRelay(tmp_path) as relay:
-        a, b = nic(relay, "a"), nic(relay, "b")
-        connected(relay, "a", "b")
+    with wired(tmp_path) as (relay, a, b):
         a.sendall(struct.pack(">I", 1 << 30))  # (no qemu sends this)
         assert a.recv(1) == b""
         a2 = nic(relay, "a")  # the guest's qemu again
         connected(relay, "a", times=2)
         send_frame(b, b"hello again")
         assert recv_frame(a2) == b"hello again"
-        for s in (a, a2, b):
-            s.close()
+        a2.close()
 
 
 def test_outside_the_bed_a_request_says_so() -> None:
