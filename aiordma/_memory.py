@@ -258,8 +258,18 @@ class RegisteredMemory:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BufferError:  # (not BufferBusyError: the NIC's memory stays registered, and says so)
+            # the error in flight keeps its frames, and with them views of this memory (ours
+            # inside a receive_into, the caller's): the registration is gone all the same (no NIC
+            # can touch the memory); the mapping follows the last view.  The error that matters
+            # is the one in flight.
+            pass
 
 
 class RegisteredBuffer(RegisteredMemory, mmap.mmap):
@@ -274,12 +284,20 @@ class RegisteredBuffer(RegisteredMemory, mmap.mmap):
     def __init__(self, size: int) -> None:
         self._setup(memoryview(self))
 
-    def _release(self) -> None:
-        self._view.release()
-        mmap.mmap.close(self)
-
-    def close(self) -> None:  # (mmap.close would unmap under a registration)
+    def close(self) -> None:
+        """Deregister everywhere (:meth:`RegisteredMemory.close`), then unmap.  While views of
+        the buffer are alive (a ``memoryview``, a numpy array) it cannot be unmapped: it is
+        deregistered all the same, and ``BufferError`` says so; close again once they are
+        released.  (``mmap.close`` alone would unmap under a registration.)"""
         RegisteredMemory.close(self)
+        if not self.closed:
+            try:
+                mmap.mmap.close(self)
+            except BufferError:
+                raise BufferError(
+                    "the RegisteredBuffer is deregistered, but views of it are alive (a memoryview, "
+                    "a numpy array): release them, then close it again to unmap it"
+                ) from None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._mrs)} device(s)"

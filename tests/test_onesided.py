@@ -543,3 +543,25 @@ async def test_a_failed_connection_releases_an_operation_the_peer_never_acknowle
                 fabric.hold_acks = False
                 fabric.release_acks()
                 local.close()
+
+
+def test_a_registered_buffer_left_by_an_error_keeps_the_error_and_its_registration_goes() -> None:
+    """An error that leaves ``with RegisteredBuffer(...)`` holds its frames, and with them views
+    of the buffer (receive_into's own, the caller's): closing cannot unmap it then.  The error
+    in flight is what the caller sees (found across two hosts: a failed rendezvous READ turned
+    into ``BufferError: cannot close exported pointers exist``), and the buffer is deregistered
+    all the same; closing again once the views are gone unmaps it."""
+    before = aiordma.memory_stats().buffers
+    with pytest.raises(KeyError, match="the real error"):
+        with RegisteredBuffer(8192) as buf:
+            view = memoryview(buf)[:100]  # (alive in this frame while the error leaves)
+            raise KeyError("the real error")
+    assert aiordma.memory_stats().buffers == before  # deregistered
+    assert not buf.closed  # still mapped: the view is alive
+    with pytest.raises(BufferError, match="views of it are alive"):
+        buf.close()  # without an error in flight, it says why it cannot unmap
+    view[0] = 7  # (the memory is still the view's)
+    view.release()
+    buf.close()
+    assert buf.closed
+    buf.close()  # idempotent

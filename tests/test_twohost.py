@@ -206,14 +206,10 @@ def live() -> dict[str, int]:
 
 
 def netem_here(spec: str) -> None:
-    """``tc netem`` on this guest's wire NIC; '' removes it (if there is one)."""
-    from aiordma.testing._guest import wire_nic
+    """``tc netem`` on this guest's wire NIC; '' puts the wire's usual qdisc back."""
+    from aiordma.testing._guest import wire_nic, wire_qdisc_argv
 
-    if spec:
-        argv = ["tc", "qdisc", "replace", "dev", wire_nic(), "root", "netem", *spec.split()]
-        subprocess.run(argv, check=True, capture_output=True, timeout=60)
-    else:
-        subprocess.run(["tc", "qdisc", "del", "dev", wire_nic(), "root"], capture_output=True, timeout=60)
+    subprocess.run(wire_qdisc_argv(wire_nic(), spec), check=True, capture_output=True, timeout=60)
 
 
 async def control(msg: bytes) -> bytes:

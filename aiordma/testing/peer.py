@@ -17,7 +17,8 @@ host's check of the suite itself):
   * ``TAG <name>`` -> names this connection in the service's record of how connections ended;
     ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
     ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
-  * ``NETEM <spec>`` -> ``tc netem`` on this host's wire NIC (``NETEM`` alone: removed);
+  * ``NETEM <spec>`` -> ``tc netem`` on this host's wire NIC (``NETEM`` alone: back to the
+    wire's usual qdisc, ``aiordma.testing._guest.WIRE_QDISC``);
   * ``VICTIM`` -> starts a second service process (channels on port 7102) and answers once it
     listens; ``KILL`` -> SIGKILLs it (the process-crash test) and answers ``killed``;
   * ``QUIT`` -> the service ends (so does ``--timeout``, 1800 s by default: bounded);
@@ -135,13 +136,11 @@ async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes
         if not _NETEM.match(spec):
             await ch.send(b"error: bad netem spec")
         else:
-            from aiordma.testing._guest import wire_nic
+            from aiordma.testing._guest import wire_nic, wire_qdisc_argv
 
             nic = wire_nic()
-            argv = ["tc", "qdisc", "replace", "dev", nic, "root", "netem", *spec.split()] if spec.strip() else (
-                ["tc", "qdisc", "del", "dev", nic, "root"])  # fmt: skip
-            answer = await _run(argv)
-            await ch.send(b"ok" if not spec.strip() else answer.encode())
+            answer = await _run(wire_qdisc_argv(nic, spec))  # (no spec: the wire's usual qdisc)
+            await ch.send(answer.encode())
     elif verb == b"VICTIM":
         await ch.send(await _start_victim(svc))
     elif verb == b"KILL":
@@ -190,8 +189,8 @@ async def _channel(ch: aiordma.Channel, svc: _Service) -> None:
                     return
     except Exception as exc:  # (recorded for STATUS: how this connection ended)
         error = exc
-        if not isinstance(exc, (anyio.EndOfStream, anyio.BrokenResourceError, aiordma.AiordmaError)):
-            print(f"peer: a channel failed: {exc!r}", file=sys.stderr, flush=True)
+        if not isinstance(exc, anyio.EndOfStream):  # (a failed test's other half: in the log)
+            print(f"peer: a channel {rec.tag!r} failed: {exc!r} (cause {exc.__cause__!r})", file=sys.stderr, flush=True)
     finally:
         svc.end(rec, error)
 

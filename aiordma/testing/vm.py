@@ -891,6 +891,14 @@ def run_two_hosts(
             with contextlib.suppress(RuntimeError):
                 kill("a", False)
         threads[0].join()
+    except BaseException:
+        # interrupted (Ctrl-C, or SIGTERM from a cancelled CI job): no guest outlives the runner
+        for i, proc in list(procs.items()):
+            if proc.poll() is None:
+                stopped[i] = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        raise
     finally:
         relay.close()
         shutil.rmtree(scratch, ignore_errors=True)
