@@ -584,6 +584,58 @@ async def test_killed_qp_breaks_the_stream(anyio_backend: Any, env: Env) -> None
                     await a.send(bytes(1 << 16))
 
 
+@pytest.mark.parametrize("probe", [0.25, 0.0], ids=["probing", "not-probing"])
+async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio_backend: Any, env: Env,
+                                                                           probe: float) -> None:  # fmt: skip
+    """The reader stopped reading, so the sender waits for credits with everything it posted
+    acknowledged -- nothing of its own is at the NIC to time out -- and then the peer's host
+    dies (its QP vanishes; the TCP link here stays up, as it does for seconds after a real
+    crash).  The sender probes the path after ``liveness_probe`` seconds (a zero-length RDMA
+    WRITE), the probe fails, and the send raises ``BrokenResourceError`` naming the probe.
+    Without probing it waits on (for a keepalive that, on this live TCP link, never fires)."""
+    if env.fabric is None:
+        pytest.skip("needs the simulated wire's fault knobs (across hosts: tests/test_twohost.py)")
+    cfg = RdmaConfig(window=4, liveness_probe=probe)
+    async with no_fd_leak(), stream_pair_on(env, client_config=cfg) as (a, b):
+        link = _link(a)
+        outcome: list[BaseException | None] = []
+        done = anyio.Event()
+
+        async def send() -> None:
+            try:
+                await a.send(bytes(4 << 20))  # more than the reader takes in: it blocks on credits
+                outcome.append(None)
+            except Exception as exc:  # (what the test looks at)
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with anyio.fail_after(10):
+                while True:  # blocked: nothing posted for a while, all of it completed
+                    mark = link.session.posted_bytes
+                    await anyio.sleep(0.05)
+                    session = link.session
+                    outstanding = session.c.sq_used if getattr(session, "native", False) else session.sq_used
+                    if session.posted_bytes == mark and outstanding == 0:
+                        break
+            assert not done.is_set()
+            env.fabric.kill_qp(_link(b).qp_num)
+            t0 = time.monotonic()
+            with anyio.move_on_after(1.5):
+                await done.wait()
+            took = time.monotonic() - t0
+            if probe:
+                assert done.is_set(), "the sender waited on a dead peer"
+                assert isinstance(outcome[0], BrokenResourceError), outcome
+                assert "probe" in str(outcome[0]) and "RETRY_EXC_ERR" in str(outcome[0]), outcome[0]
+                assert took < 1.0, took  # (liveness_probe, then the failure: no retry budget here)
+            else:
+                assert not done.is_set(), outcome  # only the probe could tell
+            tg.cancel_scope.cancel()
+
+
 async def test_many_connections_share_one_device(anyio_backend: Any, env: Env) -> None:
     async with no_fd_leak():
         async with anyio.create_task_group() as tg:

@@ -71,6 +71,12 @@ class RdmaConfig:
     #: one message larger than this still goes, alone); a byte stream is staged in pieces of
     #: half of it.  This is the sender's "socket buffer" for large writes.
     rendezvous_inflight: int = 16 << 20
+    #: a sender that waits this long for the peer's credits, with nothing of its own left at the
+    #: NIC to time out, probes the path: a zero-length RDMA WRITE (no rkey, no receive on the
+    #: peer).  A live peer's NIC ACKs it; a dead host's lets it fail within the retry budget, and
+    #: the sender gets ``BrokenResourceError`` within about a second instead of at the TCP
+    #: keepalive.  The wait doubles after each probe the peer answered (at most 8 s).  0: never.
+    liveness_probe: float = 0.1
 
     def __post_init__(self) -> None:
         if not 1 <= self.window <= 4096:
@@ -91,7 +97,7 @@ class RdmaConfig:
             raise ValueError("rendezvous must be 0 (off) or at least 4096 bytes")
         if self.rendezvous_inflight < 1:
             raise ValueError("rendezvous_inflight must be positive")
-        for name in ("spin_window", "busy_window", "spin_budget"):
+        for name in ("spin_window", "busy_window", "spin_budget", "liveness_probe"):
             if not 0 <= getattr(self, name) <= 10.0:
                 raise ValueError(f"{name} must be between 0 and 10 seconds")
 

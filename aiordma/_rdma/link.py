@@ -657,19 +657,64 @@ class RdmaLink(Link):
     async def _wait_posted(self, session: Any, end: int) -> None:
         """Wait until the bytes up to ``end`` are posted; a cancelled wait still sends them, whole."""
         wanted = False
+        gap = self.config.liveness_probe
         try:
             while session.posted_bytes < end:
                 self._check_usable()
-                if self._native and not wanted and session.blocked_on_sends:
-                    # only a send completion frees the send queue or ring: be woken by ours
-                    wanted = self._want_sends()
-                    continue  # the pass it made may have freed room already
-                await self._wait()
+                if self._native and session.blocked_on_sends:
+                    if not wanted:
+                        # only a send completion frees the send queue or ring: be woken by ours
+                        wanted = self._want_sends()
+                        continue  # the pass it made may have freed room already
+                    await self._wait()
+                    continue
+                if not wanted and gap and session.probe_status is None:
+                    wanted = self._want_sends()  # (a probe is out: its failure must wake us)
+                gap = await self._wait_on_peer(session, gap)
         except BaseException:
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
         finally:
             self._unwant_sends(wanted)
+
+    async def _wait_on_peer(self, session: Any, gap: float) -> float:
+        """One wait of a sender that only the peer's credits can release (``RdmaConfig.
+        liveness_probe``).  Theory of operation: with everything posted acknowledged, nothing of
+        ours is at the NIC, so nothing can time out if the peer's host died or the wire went
+        silent -- only the TCP link's keepalive would tell, seconds later.  So after ``gap``
+        seconds without progress the path is probed: a zero-length RDMA WRITE, which the peer's
+        NIC ACKs without its software, a receive buffer or an rkey (IBA C9-88).  A dead peer
+        makes it fail within the RC retry budget (about 0.5 s), which fails the connection and
+        wakes every waiter.  Returns the next wait's gap: the base again after progress, twice
+        as long after a probe went out (at most 8 s: a slow reader costs one probe per gap)."""
+        if not gap:
+            await self._wait()
+            return gap
+        mark = session.posted_bytes
+        with anyio.move_on_after(gap) as scope:
+            await self._wait()
+        if session.posted_bytes != mark:
+            return float(self.config.liveness_probe)
+        if scope.cancelled_caught:
+            self._probe_liveness()
+            return min(gap * 2, 8.0)
+        return gap
+
+    def _probe_liveness(self) -> None:
+        """Post a liveness probe (see :meth:`_wait_on_peer`) unless one is still outstanding."""
+        session = self.session
+        if session is None or session.error is not None or self.qp is None or self._closing:
+            return
+        if session.probe_status is None:
+            return  # the last probe has not completed: the retry budget is running
+        if self._native:
+            session.probe_work()  # (posts; with the send queue full it does not, and that is fine:
+            # what fills it times out by itself)
+            if session.error is not None:
+                self._broke()
+                self._wake_all()
+        elif session.sq_used < session.sq_depth:
+            self._post_send([session.probe_work()])
 
     # asyncio stream API -------------------------------------------------------------------
 
@@ -695,13 +740,19 @@ class RdmaLink(Link):
         session = self.session
         assert session is not None
         wanted = False
+        gap = self.config.liveness_probe
         try:
             while session.enqueued - session.posted_bytes > low:
                 self._check_usable()
-                if self._native and not wanted and session.blocked_on_sends:
-                    wanted = self._want_sends()
+                if self._native and session.blocked_on_sends:
+                    if not wanted:
+                        wanted = self._want_sends()
+                        continue
+                    await self._wait()
                     continue
-                await self._wait()
+                if not wanted and gap and session.probe_status is None:
+                    wanted = self._want_sends()
+                gap = await self._wait_on_peer(session, gap)  # (as in _wait_posted)
         finally:
             self._unwant_sends(wanted)
 

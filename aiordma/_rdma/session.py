@@ -387,9 +387,11 @@ class RdmaSession:
         return (SQ_BIT | KIND_CREDIT << KIND_SHIFT | seq, 0, 0, 0, imm, flags)
 
     def probe_work(self) -> SendWork:
-        """The path probe: a signaled zero-length RDMA WRITE (needs no receive buffer)."""
+        """The path probe: a signaled zero-length RDMA WRITE (needs no receive buffer); also the
+        liveness probe of a sender waiting for credits.  ``probe_status`` is None until it completed."""
         seq = self._seq = self._seq + 1
         self._probe_seq = seq
+        self.probe_status = None
         self.signaled_out += 1
         self.sq_used += 1
         self._outstanding.append((seq, True, -1))
