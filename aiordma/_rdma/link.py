@@ -57,6 +57,7 @@ from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, WCStatus, wc_status_
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
+from .liveness import ProbeSchedule
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
 
@@ -657,7 +658,7 @@ class RdmaLink(Link):
     async def _wait_posted(self, session: Any, end: int) -> None:
         """Wait until the bytes up to ``end`` are posted; a cancelled wait still sends them, whole."""
         wanted = False
-        gap = self.config.liveness_probe
+        probes = ProbeSchedule(self.config.liveness_probe)
         try:
             while session.posted_bytes < end:
                 self._check_usable()
@@ -668,37 +669,30 @@ class RdmaLink(Link):
                         continue  # the pass it made may have freed room already
                     await self._wait()
                     continue
-                if not wanted and gap and session.probe_status is None:
+                if not wanted and probes.gap and session.probe_status is None:
                     wanted = self._want_sends()  # (a probe is out: its failure must wake us)
-                gap = await self._wait_on_peer(session, gap)
+                await self._wait_on_peer(session, probes)
         except BaseException:
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
         finally:
             self._unwant_sends(wanted)
 
-    async def _wait_on_peer(self, session: Any, gap: float) -> float:
-        """One wait of a sender that only the peer's credits can release (``RdmaConfig.
-        liveness_probe``).  Theory of operation: with everything posted acknowledged, nothing of
-        ours is at the NIC, so nothing can time out if the peer's host died or the wire went
-        silent -- only the TCP link's keepalive would tell, seconds later.  So after ``gap``
-        seconds without progress the path is probed: a zero-length RDMA WRITE, which the peer's
-        NIC ACKs without its software, a receive buffer or an rkey (IBA C9-88).  A dead peer
-        makes it fail within the RC retry budget (about 0.5 s), which fails the connection and
-        wakes every waiter.  Returns the next wait's gap: the base again after progress, twice
-        as long after a probe went out (at most 8 s: a slow reader costs one probe per gap)."""
-        if not gap:
+    async def _wait_on_peer(self, session: Any, probes: ProbeSchedule) -> None:
+        """One wait of a sender that only the peer's credits can release: after ``probes.gap``
+        seconds without progress the path is probed (:mod:`aiordma._rdma.liveness`), and a dead
+        peer's silence fails the probe within the RC retry budget, which fails the connection and
+        wakes every waiter."""
+        if not probes.gap:
             await self._wait()
-            return gap
+            return
         mark = session.posted_bytes
-        with anyio.move_on_after(gap) as scope:
+        with anyio.move_on_after(probes.gap) as scope:
             await self._wait()
         if session.posted_bytes != mark:
-            return float(self.config.liveness_probe)
-        if scope.cancelled_caught:
+            probes.progressed()
+        elif scope.cancelled_caught and probes.timed_out():
             self._probe_liveness()
-            return min(gap * 2, 8.0)
-        return gap
 
     def _probe_liveness(self) -> None:
         """Post a liveness probe (see :meth:`_wait_on_peer`) unless one is still outstanding."""
@@ -740,7 +734,7 @@ class RdmaLink(Link):
         session = self.session
         assert session is not None
         wanted = False
-        gap = self.config.liveness_probe
+        probes = ProbeSchedule(self.config.liveness_probe)
         try:
             while session.enqueued - session.posted_bytes > low:
                 self._check_usable()
@@ -750,9 +744,9 @@ class RdmaLink(Link):
                         continue
                     await self._wait()
                     continue
-                if not wanted and gap and session.probe_status is None:
+                if not wanted and probes.gap and session.probe_status is None:
                     wanted = self._want_sends()
-                gap = await self._wait_on_peer(session, gap)  # (as in _wait_posted)
+                await self._wait_on_peer(session, probes)  # (as in _wait_posted)
         finally:
             self._unwant_sends(wanted)
 
