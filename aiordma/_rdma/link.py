@@ -56,8 +56,8 @@ from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, WCStatus, wc_status_name
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
-from .params import RdmaParams
 from .liveness import ProbeSchedule
+from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
 
@@ -662,21 +662,28 @@ class RdmaLink(Link):
         try:
             while session.posted_bytes < end:
                 self._check_usable()
-                if self._native and session.blocked_on_sends:
-                    if not wanted:
-                        # only a send completion frees the send queue or ring: be woken by ours
-                        wanted = self._want_sends()
-                        continue  # the pass it made may have freed room already
-                    await self._wait()
-                    continue
-                if not wanted and probes.gap and session.probe_status is None:
-                    wanted = self._want_sends()  # (a probe is out: its failure must wake us)
-                await self._wait_on_peer(session, probes)
+                wanted = await self._wait_to_post(session, wanted, probes)
         except BaseException:
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
         finally:
             self._unwant_sends(wanted)
+
+    async def _wait_to_post(self, session: Any, wanted: bool, probes: ProbeSchedule) -> bool:
+        """One step of a sender's wait until its bytes are posted (``send``, ``drain``).  Returns
+        whether the CQ is armed for every completion on its behalf (``wanted``: the caller
+        disarms it once, at the end)."""
+        if self._native and session.blocked_on_sends:
+            if not wanted:
+                # only a send completion frees the send queue or ring: be woken by ours (no wait
+                # now: the pass it made may have freed room already)
+                return self._want_sends()
+            await self._wait()
+            return wanted
+        if not wanted and probes.gap and session.probe_status is None:
+            wanted = self._want_sends()  # (a probe is out: its failure must wake us)
+        await self._wait_on_peer(session, probes)
+        return wanted
 
     async def _wait_on_peer(self, session: Any, probes: ProbeSchedule) -> None:
         """One wait of a sender that only the peer's credits can release: after ``probes.gap``
@@ -738,15 +745,7 @@ class RdmaLink(Link):
         try:
             while session.enqueued - session.posted_bytes > low:
                 self._check_usable()
-                if self._native and session.blocked_on_sends:
-                    if not wanted:
-                        wanted = self._want_sends()
-                        continue
-                    await self._wait()
-                    continue
-                if not wanted and probes.gap and session.probe_status is None:
-                    wanted = self._want_sends()
-                await self._wait_on_peer(session, probes)  # (as in _wait_posted)
+                wanted = await self._wait_to_post(session, wanted, probes)
         finally:
             self._unwant_sends(wanted)
 
