@@ -826,7 +826,6 @@ def run_two_hosts(
     procs: dict[int, subprocess.Popen[bytes]] = {}
     killed = [False, False]
     restart = [False, False]
-    stopped = [False, False]
     started = [threading.Event(), threading.Event()]
     results: list[VMResult | None] = [None, None]
     errors: list[BaseException | None] = [None, None]
@@ -887,15 +886,13 @@ def run_two_hosts(
         threads[0].join(linger)
         if threads[0].is_alive() and procs.get(0) is not None:
             _log(f"host a still served {linger:.0f} s after host b's command ended: stopping it")
-            stopped[0] = True
             with contextlib.suppress(RuntimeError):
                 kill("a", False)
         threads[0].join()
     except BaseException:
         # interrupted (Ctrl-C, or SIGTERM from a cancelled CI job): no guest outlives the runner
-        for i, proc in list(procs.items()):
+        for proc in list(procs.values()):
             if proc.poll() is None:
-                stopped[i] = True
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
         raise
