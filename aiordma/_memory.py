@@ -259,17 +259,15 @@ class RegisteredMemory:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
         try:
             self.close()
         except BufferError:  # (not BufferBusyError: the NIC's memory stays registered, and says so)
-            # the error in flight keeps its frames, and with them views of this memory (ours
-            # inside a receive_into, the caller's): the registration is gone all the same (no NIC
-            # can touch the memory); the mapping follows the last view.  The error that matters
-            # is the one in flight.
-            pass
+            # with an error in flight, its frames keep views of this memory (ours inside a
+            # receive_into, the caller's): the registration is gone all the same (no NIC can
+            # touch the memory), the mapping follows the last view, and the error that matters
+            # is the one in flight
+            if exc is None:
+                raise
 
 
 class RegisteredBuffer(RegisteredMemory, mmap.mmap):
