@@ -19,6 +19,10 @@ that wait.  Each backend gives three things, in the spirit of httpcore's
   nothing behind (asyncio: futures, the cancelled ones pruned; trio: a
   ``ParkingLot``).
 * ``checkpoint()``: a schedule point and cancel point.
+* timers: ``clock()`` is the loop's clock (seconds) and ``call_later(delay, callback)``
+  calls ``callback()`` once, in the loop's thread, ``delay`` seconds from now, unless the
+  returned watch is closed first (asyncio: ``loop.call_later``; trio: a system task that
+  sleeps).  The device's liveness probes run on one (:mod:`aiordma._rdma.liveness`).
 
 Backends are chosen per event loop by :func:`current_io`; the loop's identity
 (``key``) is what the per-loop device registry is keyed by.
@@ -71,6 +75,10 @@ class AsyncioParking:
         self._new = loop.create_future
         self._waiters: list[asyncio.Future[None]] = []
 
+    def __len__(self) -> int:
+        """How many tasks wait here now (trio's ``ParkingLot`` has the same)."""
+        return sum(1 for w in self._waiters if not w.done())
+
     def park(self) -> Awaitable[None]:
         waiters = self._waiters
         if len(waiters) >= 16:  # waits cancelled while nothing happened: drop them
@@ -106,6 +114,15 @@ class IOBackend:
         raise NotImplementedError
 
     def checkpoint(self) -> Awaitable[None]:
+        raise NotImplementedError
+
+    def clock(self) -> float:
+        """The loop's clock, in seconds (what ``call_later`` counts in)."""
+        raise NotImplementedError
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Watch:
+        """Call ``callback()`` once after ``delay`` seconds unless the watch is closed first.
+        Like a watcher's, the callback must not raise (an exception is logged)."""
         raise NotImplementedError
 
 
@@ -157,6 +174,12 @@ class AsyncioIO(IOBackend):
     def checkpoint(self) -> Awaitable[None]:
         return asyncio.sleep(0)
 
+    def clock(self) -> float:
+        return self.loop.time()
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Watch:
+        return Watch(self.loop.call_later(delay, _guarded(callback)).cancel)
+
 
 class TrioIO(IOBackend):
     name = "trio"
@@ -207,6 +230,29 @@ class TrioIO(IOBackend):
 
     def checkpoint(self) -> Awaitable[None]:
         return self._trio.lowlevel.checkpoint()
+
+    def clock(self) -> float:
+        return float(self._trio.current_time())
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Watch:
+        trio = self._trio
+        scope = trio.CancelScope(deadline=trio.current_time() + delay)
+        run = _guarded(callback)
+        cancelled = False
+
+        async def timer() -> None:
+            with scope:
+                await trio.sleep_forever()
+            if not cancelled:  # (the deadline ended the sleep, not close())
+                run()
+
+        def stop() -> None:
+            nonlocal cancelled
+            cancelled = True
+            scope.cancel()
+
+        trio.lowlevel.spawn_system_task(timer, name="aiordma timer")
+        return Watch(stop)
 
 
 _asyncio_checkpoint: Callable[[], Awaitable[None]] = functools.partial(asyncio.sleep, 0)  # (C: no frame of ours)

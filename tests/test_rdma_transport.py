@@ -636,6 +636,98 @@ async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio
             tg.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("probe", [0.25, 0.0], ids=["probing", "not-probing"])
+async def test_a_receiver_learns_that_the_peer_host_died_mid_transfer(anyio_backend: Any, env: Env,
+                                                                     probe: float) -> None:  # fmt: skip
+    """The peer streams to us and its host dies: the reader waits for bytes that never come,
+    with nothing of its own at the NIC.  The device's liveness plan sees a waiting reader whose
+    connection made no progress for ``liveness_probe`` seconds and probes the path; the probe
+    fails and ``receive`` raises ``BrokenResourceError`` naming it -- within 1 s, not after the
+    keepalive.  Without probing the reader waits on (the TCP link here stays up)."""
+    if env.fabric is None:
+        pytest.skip("needs the simulated wire's fault knobs (across hosts: tests/test_twohost.py)")
+    cfg = RdmaConfig(liveness_probe=probe)
+    async with no_fd_leak(), stream_pair_on(env, server_config=cfg) as (a, b):
+        outcome: list[BaseException | None] = []
+        done = anyio.Event()
+        flowing = anyio.Event()
+
+        async def stream_to_b() -> None:
+            with anyio.move_on_after(10):
+                try:
+                    while True:
+                        await a.send(os.urandom(1000))
+                        await anyio.sleep(0.005)
+                except (BrokenResourceError, ClosedResourceError):
+                    pass  # (its host is "dead": its QP is gone)
+
+        async def read() -> None:
+            got = 0
+            try:
+                while True:
+                    got += len(await b.receive())
+                    if got > 20_000:
+                        flowing.set()
+            except Exception as exc:  # (what the test looks at)
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream_to_b)
+            tg.start_soon(read)
+            with anyio.fail_after(10):
+                await flowing.wait()
+            env.fabric.kill_qp(_link(a).qp_num)
+            t0 = time.monotonic()
+            with anyio.move_on_after(1.5):
+                await done.wait()
+            took = time.monotonic() - t0
+            if probe:
+                assert done.is_set(), "the reader waited on a dead peer"
+                assert isinstance(outcome[0], BrokenResourceError), outcome
+                assert "probe" in str(outcome[0]) and "RETRY_EXC_ERR" in str(outcome[0]), outcome[0]
+                assert took < 1.0, took  # (at most 2 x liveness_probe: no retry budget here)
+            else:
+                assert not done.is_set(), outcome  # only a probe could tell
+            tg.cancel_scope.cancel()
+
+
+async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, env: Env) -> None:
+    """A reader waits on an idle connection whose peer is alive: the plan probes after 0.05 s,
+    then 0.1, 0.2, 0.4 s later (each answered), so a second of waiting costs four probes, not
+    twenty; the connection is unharmed, and it leaves the device's plan once nobody waits."""
+    cfg = RdmaConfig(liveness_probe=0.05)
+    async with no_fd_leak(), stream_pair_on(env, server_config=cfg) as (a, b):
+        link = _link(b)
+        probes: list[float] = []
+        real = link.probe_liveness
+
+        def counted() -> None:
+            probes.append(time.monotonic())
+            real()
+
+        link.probe_liveness = counted
+        async with anyio.create_task_group() as tg:
+
+            async def read() -> None:
+                assert await b.receive() == b"late"
+
+            tg.start_soon(read)
+            await anyio.sleep(1.0)
+            assert link in link.device.liveness  # (a task waits)
+            await a.send(b"late")
+        assert 2 <= len(probes) <= 5, probes
+        gaps = [t1 - t0 for t0, t1 in zip(probes, probes[1:])]
+        assert all(g2 > g1 * 1.5 for g1, g2 in zip(gaps, gaps[1:])), gaps  # (it backs off)
+        assert link.session.probe_status == 0  # (answered)
+        await a.send(b"again")
+        assert await b.receive() == b"again"
+        with anyio.fail_after(5):
+            while link in link.device.liveness:  # nobody waits: the next look drops it
+                await anyio.sleep(0.05)
+
+
 async def test_many_connections_share_one_device(anyio_backend: Any, env: Env) -> None:
     async with no_fd_leak():
         async with anyio.create_task_group() as tg:

@@ -61,9 +61,11 @@ def anyio_backend() -> Any:
     return "asyncio"  # (every loop runs the same code on the simulated wire; the guests are slow)
 
 
-async def channel() -> aiordma.Channel:
+async def channel(config: aiordma.RdmaConfig | None = None) -> aiordma.Channel:
+    backend = aiordma.RdmaBackend(config) if config is not None else None
     with anyio.fail_after(120):
-        ch = await aiordma.connect_channel(PEER, CHANNEL_PORT, transport=TRANSPORT, max_message_size=MAX_MESSAGE)
+        ch = await aiordma.connect_channel(PEER, CHANNEL_PORT, transport=TRANSPORT, max_message_size=MAX_MESSAGE,
+                                           rdma_backend=backend)  # fmt: skip
     assert ch.transport == TRANSPORT, ch.fallback_reason
     return ch
 
@@ -250,8 +252,9 @@ needs_wire = pytest.mark.skipif(not (PEER and CONTROL and ON_THE_BED), reason="n
 #: the default keepalive bound (aiordma.DEFAULT_KEEPALIVE; the kernel's timers aim a second
 #: early, which covers what a TCG guest's scheduler adds)
 KEEPALIVE = 5.0
-#: a dead peer with our SENDs or WRITEs outstanding at the NIC, or a sender's liveness probe:
-#: the RC retry budget, (6+1) x 67 ms (after liveness_probe, 0.1 s, for the probe)
+#: a dead peer with our SENDs or WRITEs outstanding at the NIC, or a liveness probe (a reader
+#: or a sender waiting on a connection that went silent): the RC retry budget, (6+1) x 67 ms
+#: (after one to two liveness_probe gaps, 0.1-0.2 s, for the probe)
 WITH_TRAFFIC = 1.0
 
 
@@ -411,25 +414,40 @@ async def _sink(ch: aiordma.Channel, tag: bytes) -> None:
     await ch.send(b"SINK")
 
 
+async def _source(ch: aiordma.Channel, tag: bytes) -> None:
+    """The peer streams to ``ch`` from now on (its ``SOURCE``); the first message is in."""
+    await ch.send(b"TAG " + tag)
+    assert await ch.receive() == b"ok"
+    await ch.send(b"SOURCE %d" % (60 << 10))
+    assert len(await ch.receive()) == 60 << 10
+
+
+async def _receives_forever(ch: aiordma.Channel) -> None:
+    while True:
+        await ch.receive()
+
+
 @needs_wire
 @pytest.mark.anyio
 async def test_a_long_outage_breaks_both_ends_within_their_bounds() -> None:
     """The wire goes silent for good (7 s, then back for the report).  Here: the one-sided
-    writer (WRITEs outstanding at the NIC) and the sender of SENDs (SENDs outstanding, or a
-    liveness probe while it waits for credits) fail within the retry budget, the idle receiver
-    within the keepalive bound.  There: the peer's ends of all three fail
-    with BrokenResourceError too (asked over a new connection once the wire is back)."""
+    writer (WRITEs outstanding at the NIC), the sender of SENDs (SENDs outstanding, or a
+    liveness probe while it waits for credits) and the receiver of the peer's stream (a
+    liveness probe once no bytes came for a gap) fail within the retry budget, the idle
+    receiver within the keepalive bound.  There: the peer's ends of all four fail with
+    BrokenResourceError too (asked over a new connection once the wire is back)."""
     import time
 
     before = live()
-    writer, sender, idle = await channel(), await channel(), await channel()
+    writer, sender, receiver, idle = await channel(), await channel(), await channel(), await channel()
     try:
         remote = await _exposed(writer, b"outage-writer")
         await _sink(sender, b"outage-sender")
+        await _source(receiver, b"outage-receiver")
         await idle.send(b"TAG outage-idle")
         assert await idle.receive() == b"ok"
         failed: dict[str, float] = {}
-        step("three channels ready; the wire goes silent")
+        step("four channels ready; the wire goes silent")
         t0 = time.monotonic()
         await wire("drop", on=True)
         step("silent")
@@ -441,21 +459,22 @@ async def test_a_long_outage_breaks_both_ends_within_their_bounds() -> None:
 
                 tg.start_soon(one, "writer", lambda: _writes_forever(writer, remote))
                 tg.start_soon(one, "sender", lambda: _sends_forever(sender))
+                tg.start_soon(one, "receiver", lambda: _receives_forever(receiver))
                 tg.start_soon(one, "idle", idle.receive)
-            step(f"all three failed: {failed}")
+            step(f"all four failed: {failed}")
             await anyio.sleep(max(0.0, 7.0 - (time.monotonic() - t0)))  # (the peer's keepalive runs out too)
         finally:
             await wire("drop", on=False)
             step("the wire is back")
-        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC, "idle": KEEPALIVE},
-                "long outage")  # fmt: skip
+        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC, "receiver": WITH_TRAFFIC,
+                             "idle": KEEPALIVE}, "long outage")  # fmt: skip
     finally:
-        for ch in (writer, sender, idle):
+        for ch in (writer, sender, receiver, idle):
             with anyio.fail_after(30):
                 await ch.aclose()
         step("closed")
     assert live() == before
-    for tag in (b"outage-writer", b"outage-sender", b"outage-idle"):
+    for tag in (b"outage-writer", b"outage-sender", b"outage-receiver", b"outage-idle"):
         import json
 
         ends = json.loads(await control(b"STATUS " + tag))
@@ -510,9 +529,12 @@ async def _kill_the_peer_host(restart: bool) -> float:
 @pytest.mark.anyio
 async def test_the_peer_host_killed_while_idle_is_noticed_within_the_keepalive_bound() -> None:
     """qemu of host a killed (its kernel sends nothing, not even a FIN): an idle channel learns
-    it from TCP keepalive, within ``keepalive=`` (5 s by default).  Host a is booted again."""
+    it from TCP keepalive, within ``keepalive=`` (5 s by default).  Its liveness probe is off:
+    a reader that waits probes too (within a second after a fresh wait, as the long outage's
+    idle reader shows; after a long one every 8 s), and this test is the keepalive's.  Host a is
+    booted again."""
     before = live()
-    ch = await channel()
+    ch = await channel(aiordma.RdmaConfig(liveness_probe=0))
     try:
         await ch.send(b"ECHO x")
         assert await ch.receive() == b"x"
@@ -537,14 +559,16 @@ async def test_the_peer_host_killed_while_idle_is_noticed_within_the_keepalive_b
 @pytest.mark.anyio
 async def test_the_peer_host_killed_mid_transfer_is_noticed_within_a_second() -> None:
     """Host a killed under traffic: one-sided WRITEs outstanding at the NIC fail within the RC
-    retry budget, and so do SENDs waiting for the (slower) receiver's credits, by the liveness
-    probe (``RdmaConfig.liveness_probe``): 1 s both.  Last: host a stays down."""
+    retry budget; SENDs waiting for the (slower) receiver's credits, and a reader of host a's
+    stream, by the liveness probe (``RdmaConfig.liveness_probe``): 1 s all three.  Last: host a
+    stays down."""
     await anyio.to_thread.run_sync(wait_for_port, CHANNEL_PORT, 600.0)  # (booted again by the test before)
     before = live()
-    writer, sender = await channel(), await channel()
+    writer, sender, receiver = await channel(), await channel(), await channel()
     try:
         remote = await _exposed(writer, b"kill-writer")
         await _sink(sender, b"kill-sender")
+        await _source(receiver, b"kill-receiver")
         failed: dict[str, float] = {}
         async with anyio.create_task_group() as tg:
 
@@ -553,12 +577,14 @@ async def test_the_peer_host_killed_mid_transfer_is_noticed_within_a_second() ->
 
             tg.start_soon(one, "writer", lambda: _writes_forever(writer, remote))
             tg.start_soon(one, "sender", lambda: _sends_forever(sender))
+            tg.start_soon(one, "receiver", lambda: _receives_forever(receiver))
             await anyio.sleep(0.5)  # (traffic flowing)
             t0 = await _kill_the_peer_host(restart=False)
-        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC}, "peer host killed under traffic")
+        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC, "receiver": WITH_TRAFFIC},
+                "peer host killed under traffic")  # fmt: skip
     finally:
-        await writer.aclose()
-        await sender.aclose()
+        for ch in (writer, sender, receiver):
+            await ch.aclose()
     assert live() == before
 
 

@@ -18,18 +18,24 @@ The CQ is sized once (up to the device's ``max_cqe``) and every QP reserves
 its send and receive queue depths from it, so it cannot overflow even when a
 busy QP is flushed; a connection that does not fit is refused at setup (and
 falls back to TCP with the reason).
+
+The device also runs the liveness plan of its connections
+(:mod:`aiordma._rdma.liveness`): one timer for all of them, armed only while
+some task waits on a connection that probes.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import operator
 from typing import Any, Protocol
 
 from .._errors import RDMAError
 from .._io import IOBackend, Watch
 from .constants import GidEntry, gid_bytes
 from .discovery import Probe
+from .liveness import ProbePlan
 from .poller import Poller
 
 __all__ = ["Device", "DeviceHold", "VerbsProvider", "acquire_device", "open_devices"]
@@ -101,6 +107,10 @@ class Device:
         self._regions: dict[int, list[Any]] = {}
         #: user memory registered here (aiordma.RegisteredBuffer / register()) -> its region
         self._user: dict[Any, Any] = {}
+        #: connections a task waits on, looked at by one timer (see the module docs)
+        self.liveness: ProbePlan[Any] = ProbePlan()
+        self._liveness_timer: Watch | None = None
+        self._liveness_due = 0.0
         try:
             self.ctx = ctx = provider.open_context(name)
             self.attr = ctx.query_device()
@@ -194,6 +204,42 @@ class Device:
 
         return self.pd.reg_buffer(view, Access.LOCAL_WRITE | access)
 
+    # -- liveness ------------------------------------------------------------------------
+
+    def watch_liveness(self, link: Any, mark: int) -> None:
+        """A task started to wait on ``link`` (its ``liveness_probe`` > 0; ``mark``: its progress
+        mark now): the timer looks at it (``link.liveness_mark()``) and probes it
+        (``link.probe_liveness()``) when it went silent."""
+        if self.closed:
+            return
+        now = self.io.clock()
+        due = self.liveness.add(link, link.config.liveness_probe, mark, now)
+        if self._liveness_timer is None or due < self._liveness_due:
+            self._arm_liveness(due, now)
+
+    def unwatch_liveness(self, link: Any) -> None:
+        self.liveness.discard(link)
+        if not self.liveness and self._liveness_timer is not None:
+            self._liveness_timer.close()
+            self._liveness_timer = None
+
+    def _arm_liveness(self, due: float, now: float) -> None:
+        if self._liveness_timer is not None:
+            self._liveness_timer.close()
+        self._liveness_due = due
+        self._liveness_timer = self.io.call_later(max(0.0, due - now), self._on_liveness_timer)
+
+    def _on_liveness_timer(self) -> None:
+        self._liveness_timer = None
+        if self.closed:
+            return
+        now = self.io.clock()
+        for link in self.liveness.tick(now, _LOOK):
+            link.probe_liveness()
+        due = self.liveness.next_due()
+        if due is not None and self._liveness_timer is None:
+            self._arm_liveness(due, now)
+
     # -- async events -------------------------------------------------------------------
 
     def _on_async_event(self) -> None:
@@ -237,6 +283,9 @@ class Device:
         for watch in self._watches:
             watch.close()
         self._watches.clear()
+        if self._liveness_timer is not None:
+            self._liveness_timer.close()
+            self._liveness_timer = None
         errors: list[BaseException] = []
 
         def attempt(action: Any) -> None:
@@ -271,6 +320,8 @@ class Device:
             log.warning("aiordma: closing RDMA device %s: %s", self.name, exc)
 
 
+#: what the liveness plan asks a connection at a look (RdmaLink.liveness_mark)
+_LOOK = operator.methodcaller("liveness_mark")
 _FATAL_QP_EVENTS = frozenset({"IBV_EVENT_QP_FATAL", "IBV_EVENT_QP_REQ_ERR", "IBV_EVENT_QP_ACCESS_ERR"})
 _FATAL_DEVICE_EVENTS = frozenset({"IBV_EVENT_DEVICE_FATAL", "IBV_EVENT_CQ_ERR", "IBV_EVENT_PORT_ERR"})
 
@@ -293,3 +344,4 @@ class DeviceHold:
         held, self._held = self._held, []
         for device in held:
             device.release()
+

@@ -309,6 +309,19 @@ class NativeSession:
         return []
 
     @property
+    def progress(self) -> int:
+        """A mark that moves whenever data arrives or bytes are posted (the liveness plan's look;
+        probes do not move it)."""
+        c = self.c
+        return int(c.recvs) + int(c.posted_bytes)
+
+    @property
+    def probe_outstanding(self) -> bool:
+        """A probe is posted and has not completed (its retry budget runs)."""
+        c = self.c
+        return bool(c.probe_seq) and int(c.probe_status) < 0
+
+    @property
     def probe_status(self) -> int | None:
         c = self.c
         status = int(c.probe_status)

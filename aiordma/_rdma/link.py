@@ -56,7 +56,6 @@ from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, WCStatus, wc_status_name
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
-from .liveness import ProbeSchedule
 from .params import RdmaParams
 from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
 from .states import LinkState
@@ -116,6 +115,9 @@ class RdmaLink(Link):
         self._routed = False
         self._parking = io.parking()  # readers, senders and teardown wait here
         self._liveness: Watch | None = None
+        self._probing = backend.config.liveness_probe > 0  # (RdmaConfig.liveness_probe)
+        self._watched = False  # in the device's liveness plan (a task waits: see incoming())
+        self._probe_wanted = False  # the CQ is armed for every completion while our probe is out
         self._tcp_lost = False
         self._qp_errored = False
         self._closing = False
@@ -571,6 +573,8 @@ class RdmaLink(Link):
                 self._post_send(work)
             if self._native:
                 self._track_sq()
+        if not self._watched and self._probing:
+            self._watch_liveness()
         return self._parking.park()  # type: ignore[no-any-return]
 
     def consumed(self) -> None:
@@ -658,18 +662,17 @@ class RdmaLink(Link):
     async def _wait_posted(self, session: Any, end: int) -> None:
         """Wait until the bytes up to ``end`` are posted; a cancelled wait still sends them, whole."""
         wanted = False
-        probes = ProbeSchedule(self.config.liveness_probe)
         try:
             while session.posted_bytes < end:
                 self._check_usable()
-                wanted = await self._wait_to_post(session, wanted, probes)
+                wanted = await self._wait_to_post(session, wanted)
         except BaseException:
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
         finally:
             self._unwant_sends(wanted)
 
-    async def _wait_to_post(self, session: Any, wanted: bool, probes: ProbeSchedule) -> bool:
+    async def _wait_to_post(self, session: Any, wanted: bool) -> bool:
         """One step of a sender's wait until its bytes are posted (``send``, ``drain``).  Returns
         whether the CQ is armed for every completion on its behalf (``wanted``: the caller
         disarms it once, at the end)."""
@@ -680,33 +683,41 @@ class RdmaLink(Link):
                 return self._want_sends()
             await self._wait()
             return wanted
-        if not wanted and probes.gap and session.probe_status is None:
-            wanted = self._want_sends()  # (a probe is out: its failure must wake us)
-        await self._wait_on_peer(session, probes)
+        # only the peer's credits release it: a wait the liveness plan watches, like a reader's
+        if not self._watched and self._probing:
+            self._watch_liveness()
+        await self._wait()
         return wanted
 
-    async def _wait_on_peer(self, session: Any, probes: ProbeSchedule) -> None:
-        """One wait of a sender that only the peer's credits can release: after ``probes.gap``
-        seconds without progress the path is probed (:mod:`aiordma._rdma.liveness`), and a dead
-        peer's silence fails the probe within the RC retry budget, which fails the connection and
-        wakes every waiter."""
-        if not probes.gap:
-            await self._wait()
-            return
-        mark = session.posted_bytes
-        with anyio.move_on_after(probes.gap) as scope:
-            await self._wait()
-        if session.posted_bytes != mark:
-            probes.progressed()
-        elif scope.cancelled_caught and probes.timed_out():
-            self._probe_liveness()
+    # -- liveness (the device's plan looks at waiting connections: aiordma._rdma.liveness) ------
 
-    def _probe_liveness(self) -> None:
-        """Post a liveness probe (see :meth:`_wait_on_peer`) unless one is still outstanding."""
+    def _watch_liveness(self) -> None:
+        device = self.device
+        session = self.session
+        if self._active and device is not None and session is not None and not self._closing:
+            self._watched = True
+            device.watch_liveness(self, int(session.progress))
+
+    def liveness_mark(self) -> int | None:
+        """The plan's look: our progress mark (bytes received and posted) while a task waits,
+        else None (we leave the plan until a task waits again)."""
+        session = self.session
+        if self._probe_wanted and (session is None or not session.probe_outstanding):
+            self._probe_wanted = False  # our probe completed
+            self._unwant_sends(True)
+        if session is None or session.error is not None or self._closing or not len(self._parking):
+            self._watched = False
+            return None
+        return int(session.progress)
+
+    def probe_liveness(self) -> None:
+        """The plan found us silent for a whole gap while a task waits: post a liveness probe
+        (a zero-length RDMA WRITE) unless the last one is still out.  A dead peer fails it within
+        the RC retry budget, which fails the connection and wakes every waiter."""
         session = self.session
         if session is None or session.error is not None or self.qp is None or self._closing:
             return
-        if session.probe_status is None:
+        if session.probe_outstanding:
             return  # the last probe has not completed: the retry budget is running
         if self._native:
             session.probe_work()  # (posts; with the send queue full it does not, and that is fine:
@@ -714,6 +725,10 @@ class RdmaLink(Link):
             if session.error is not None:
                 self._broke()
                 self._wake_all()
+                return
+            if not self._probe_wanted and session.probe_outstanding:
+                # (a failed probe must wake the poller: its completion is not solicited)
+                self._probe_wanted = self._want_sends()
         elif session.sq_used < session.sq_depth:
             self._post_send([session.probe_work()])
 
@@ -741,11 +756,10 @@ class RdmaLink(Link):
         session = self.session
         assert session is not None
         wanted = False
-        probes = ProbeSchedule(self.config.liveness_probe)
         try:
             while session.enqueued - session.posted_bytes > low:
                 self._check_usable()
-                wanted = await self._wait_to_post(session, wanted, probes)
+                wanted = await self._wait_to_post(session, wanted)
         finally:
             self._unwant_sends(wanted)
 
@@ -1110,6 +1124,12 @@ class RdmaLink(Link):
             self._routed = False
         if device is not None:
             poller = device.poller
+            if self._watched:
+                self._watched = False
+                device.unwatch_liveness(self)
+            if self._probe_wanted:
+                self._probe_wanted = False
+                poller.want_sends(-1)
             if self._sq_wanted:
                 self._sq_wanted = False
                 poller.want_sends(-1)

@@ -188,6 +188,7 @@ class RdmaSession:
         self._backlog: deque[memoryview] = deque()
         self.enqueued = 0  # bytes ever queued
         self.posted_bytes = 0  # bytes ever posted
+        self.recvs = 0  # receive completions ever polled
         self.high_water = 1 << 20
         self.withheld = 0  # data buffers re-posted whose credit waits for the reader
         self._close_seq = -1  # seq of the signaled last send before close
@@ -386,9 +387,20 @@ class RdmaSession:
         self._outstanding.append((seq, signal, -1))
         return (SQ_BIT | KIND_CREDIT << KIND_SHIFT | seq, 0, 0, 0, imm, flags)
 
+    @property
+    def progress(self) -> int:
+        """A mark that moves whenever a receive completes or bytes are posted (the liveness
+        plan's look; probes do not move it)."""
+        return self.recvs + self.posted_bytes
+
+    @property
+    def probe_outstanding(self) -> bool:
+        """A probe is posted and has not completed (its retry budget runs)."""
+        return self._probe_seq >= 0 and self.probe_status is None
+
     def probe_work(self) -> SendWork:
         """The path probe: a signaled zero-length RDMA WRITE (needs no receive buffer); also the
-        liveness probe of a sender waiting for credits.  ``probe_status`` is None until it completed."""
+        liveness probe of a connection a task waits on.  ``probe_status`` is None until it completed."""
         seq = self._seq = self._seq + 1
         self._probe_seq = seq
         self.probe_status = None
@@ -423,6 +435,7 @@ class RdmaSession:
             if wr_id & SQ_BIT:
                 self._retire(wr_id, status)
                 continue
+            self.recvs += 1
             if wr_id >= nbuf or not rposted[wr_id]:
                 self._bad(RDMAError(5, "ibv_poll_cq", f"a receive completion for a buffer that is not posted (wr_id={wr_id})"))
                 continue

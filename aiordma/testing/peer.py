@@ -14,6 +14,8 @@ host's check of the suite itself):
     sends the descriptor, and on the next message (``DONE``) answers the SHA-256 of what the
     buffer then holds (what the client wrote landed, and nothing else changed);
   * ``SINK`` -> takes messages until ``END`` and answers ``<count> <SHA-256 of them all>``;
+  * ``SOURCE <n>`` -> sends messages of ``n`` bytes until the connection ends (120 s at most:
+    then ``END``), for a test that only receives;
   * ``TAG <name>`` -> names this connection in the service's record of how connections ended;
     ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
     ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
@@ -120,6 +122,13 @@ async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes
             digest.update(msg)
             count += 1
         await ch.send(b"%d %s" % (count, digest.hexdigest().encode()))
+    elif verb == b"SOURCE":
+        block = os.urandom(min(int(rest), MAX_MESSAGE))
+        with anyio.move_on_after(120):  # (bounded: the test's end or fault ends it first)
+            while True:
+                await ch.send(block)
+                rec.last = time.monotonic()
+        await ch.send(b"END")
     elif verb == b"TAG":
         rec.tag = rest.decode()
         await ch.send(b"ok")
