@@ -254,7 +254,7 @@ needs_wire = pytest.mark.skipif(not (PEER and CONTROL and ON_THE_BED), reason="n
 KEEPALIVE = 5.0
 #: a dead peer with our SENDs or WRITEs outstanding at the NIC, or a liveness probe (a reader
 #: or a sender waiting on a connection that went silent): the RC retry budget, (6+1) x 67 ms
-#: (after one to two liveness_probe gaps, 0.1-0.2 s, for the probe)
+#: (after one to two liveness_probe gaps, 0.05-0.1 s, for the probe)
 WITH_TRAFFIC = 1.0
 
 

@@ -71,12 +71,14 @@ class RdmaConfig:
     #: one message larger than this still goes, alone); a byte stream is staged in pieces of
     #: half of it.  This is the sender's "socket buffer" for large writes.
     rendezvous_inflight: int = 16 << 20
-    #: a sender that waits this long for the peer's credits, with nothing of its own left at the
-    #: NIC to time out, probes the path: a zero-length RDMA WRITE (no rkey, no receive on the
-    #: peer).  A live peer's NIC ACKs it; a dead host's lets it fail within the retry budget, and
-    #: the sender gets ``BrokenResourceError`` within about a second instead of at the TCP
-    #: keepalive.  The wait doubles after each probe the peer answered (at most 8 s).  0: never.
-    liveness_probe: float = 0.1
+    #: a connection on which a task waits (a reader for bytes, a sender for credits) and that
+    #: made no progress for one to two such gaps probes the path: a zero-length RDMA WRITE (no
+    #: rkey, no receive on the peer).  A live peer's NIC ACKs it; a dead host's lets it fail
+    #: within the retry budget, and the waiting tasks get ``BrokenResourceError`` within about a
+    #: second instead of at the TCP keepalive.  The gap doubles after each probe the peer
+    #: answered (at most 8 s) and starts over on progress.  The device looks at each waiting
+    #: connection once per gap (:mod:`aiordma._rdma.liveness`).  0: never.
+    liveness_probe: float = 0.05
 
     def __post_init__(self) -> None:
         if not 1 <= self.window <= 4096:

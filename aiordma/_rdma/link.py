@@ -1124,9 +1124,8 @@ class RdmaLink(Link):
             self._routed = False
         if device is not None:
             poller = device.poller
-            if self._watched:
-                self._watched = False
-                device.unwatch_liveness(self)
+            self._watched = False
+            device.unwatch_liveness(self)
             if self._probe_wanted:
                 self._probe_wanted = False
                 poller.want_sends(-1)
