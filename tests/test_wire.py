@@ -86,7 +86,13 @@ def test_an_outage_drops_frames_then_ends_by_itself(tmp_path: Path) -> None:
 
 def test_a_guest_asks_for_faults_through_the_control_directory(tmp_path: Path) -> None:
     kills: list[tuple[str, bool]] = []
-    with wired(tmp_path, kill=lambda side, again: kills.append((side, again))) as (relay, a, b):
+    killed_at: list[float] = []
+
+    def kill(side: str, again: bool) -> None:
+        killed_at.append(time.monotonic())
+        kills.append((side, again))
+
+    with wired(tmp_path, kill=kill) as (relay, a, b):
         ctl = str(relay.control)
         t0 = time.monotonic()
         answer = request("drop", seconds=0.2, control=ctl, timeout=10)
@@ -95,8 +101,11 @@ def test_a_guest_asks_for_faults_through_the_control_directory(tmp_path: Path) -
         assert relay.dropping()
         request("drop", on=False, control=ctl, timeout=10)
         assert not relay.dropping()
-        request("kill", side="a", restart=True, control=ctl, timeout=10)
+        asked = time.monotonic()
+        answer = request("kill", side="a", restart=True, control=ctl, timeout=10)
         assert kills == [("a", True)]
+        # the fault tests measure from sent_at: the request is visible then, and the fault after
+        assert asked <= answer["sent_at"] <= killed_at[0] <= time.monotonic()
         with pytest.raises(RuntimeError, match="cannot kill 'c'"):
             request("kill", side="c", control=ctl, timeout=10)
         with pytest.raises(RuntimeError, match="unknown op"):

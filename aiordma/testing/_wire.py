@@ -229,6 +229,10 @@ def _write_atomically(path: Path, text: str) -> None:
 def request(op: str, *, timeout: float = 300.0, control: str | None = None, **args: Any) -> dict[str, Any]:
     """From inside a guest of the bed: ask the host's relay for ``op`` (``"drop"`` with ``on``
     or ``seconds``; ``"kill"`` with ``side`` and ``restart``; ``"stats"``) and wait for its answer.
+    The answer's ``"sent_at"`` is this guest's ``time.monotonic()`` once the request was in the
+    control directory: the fault cannot have started before it (the host only then can see the
+    request), so a delay measured from it is an upper bound -- unlike one from the answer,
+    which comes back through the guest's slow shared directory.
     Raises ``RuntimeError`` if it failed, ``TimeoutError`` without an answer in ``timeout`` s,
     ``LookupError`` outside the bed."""
     where = control or os.environ.get(CONTROL_ENV)
@@ -237,6 +241,7 @@ def request(op: str, *, timeout: float = 300.0, control: str | None = None, **ar
     directory = Path(where)
     rid = uuid.uuid4().hex
     _write_atomically(directory / f"req-{rid}.json", json.dumps({"op": op, **args}))
+    sent_at = time.monotonic()  # (the rename returned: 9p renames on the host before it answers)
     done = directory / f"done-{rid}.json"
     deadline = time.monotonic() + timeout
     while True:
@@ -250,4 +255,5 @@ def request(op: str, *, timeout: float = 300.0, control: str | None = None, **ar
             time.sleep(_POLL / 2)
     if not answer.get("ok"):
         raise RuntimeError(f"the wire's host refused {op!r}: {answer.get('error')}")
+    answer["sent_at"] = sent_at
     return answer
