@@ -584,6 +584,27 @@ async def test_killed_qp_breaks_the_stream(anyio_backend: Any, env: Env) -> None
                     await a.send(bytes(1 << 16))
 
 
+async def _kill_the_peer_and_expect_the_probe(env: Env, qp_num: int, done: anyio.Event,
+                                              outcome: list[BaseException | None], probe: float,
+                                              who: str) -> None:  # fmt: skip
+    """The peer's QP ``qp_num`` vanishes (its host died); a task of ours waits, and ``done`` is
+    set when it ended with ``outcome``.  Probing, it must fail within 1 s naming the probe (at
+    most 2 x ``probe``, then the failure: no retry budget here); not probing, it waits on."""
+    assert env.fabric is not None
+    env.fabric.kill_qp(qp_num)
+    t0 = time.monotonic()
+    with anyio.move_on_after(1.5):
+        await done.wait()
+    took = time.monotonic() - t0
+    if probe:
+        assert done.is_set(), f"{who} waited on a dead peer"
+        assert isinstance(outcome[0], BrokenResourceError), outcome
+        assert "probe" in str(outcome[0]) and "RETRY_EXC_ERR" in str(outcome[0]), outcome[0]
+        assert took < 1.0, took
+    else:
+        assert not done.is_set(), outcome  # only a probe could tell
+
+
 @pytest.mark.parametrize("probe", [0.25, 0.0], ids=["probing", "not-probing"])
 async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio_backend: Any, env: Env,
                                                                            probe: float) -> None:  # fmt: skip
@@ -621,18 +642,7 @@ async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio
                     if session.posted_bytes == mark and outstanding == 0:
                         break
             assert not done.is_set()
-            env.fabric.kill_qp(_link(b).qp_num)
-            t0 = time.monotonic()
-            with anyio.move_on_after(1.5):
-                await done.wait()
-            took = time.monotonic() - t0
-            if probe:
-                assert done.is_set(), "the sender waited on a dead peer"
-                assert isinstance(outcome[0], BrokenResourceError), outcome
-                assert "probe" in str(outcome[0]) and "RETRY_EXC_ERR" in str(outcome[0]), outcome[0]
-                assert took < 1.0, took  # (liveness_probe, then the failure: no retry budget here)
-            else:
-                assert not done.is_set(), outcome  # only the probe could tell
+            await _kill_the_peer_and_expect_the_probe(env, _link(b).qp_num, done, outcome, probe, "the sender")
             tg.cancel_scope.cancel()
 
 
@@ -678,18 +688,7 @@ async def test_a_receiver_learns_that_the_peer_host_died_mid_transfer(anyio_back
             tg.start_soon(read)
             with anyio.fail_after(10):
                 await flowing.wait()
-            env.fabric.kill_qp(_link(a).qp_num)
-            t0 = time.monotonic()
-            with anyio.move_on_after(1.5):
-                await done.wait()
-            took = time.monotonic() - t0
-            if probe:
-                assert done.is_set(), "the reader waited on a dead peer"
-                assert isinstance(outcome[0], BrokenResourceError), outcome
-                assert "probe" in str(outcome[0]) and "RETRY_EXC_ERR" in str(outcome[0]), outcome[0]
-                assert took < 1.0, took  # (at most 2 x liveness_probe: no retry budget here)
-            else:
-                assert not done.is_set(), outcome  # only a probe could tell
+            await _kill_the_peer_and_expect_the_probe(env, _link(a).qp_num, done, outcome, probe, "the reader")
             tg.cancel_scope.cancel()
 
 
