@@ -402,6 +402,27 @@ async def test_a_broken_peer_is_connection_lost_with_a_reset(anyio_backend: Any)
     assert isinstance(exc.__cause__, aiordma.ProtocolError)
 
 
+async def test_a_protocol_learns_that_the_peer_host_died(anyio_backend: Any) -> None:
+    """The transport keeps a wait armed while it reads, so the device's liveness plan watches
+    the connection: when the peer's host dies (its QP vanishes, the TCP link stays up), the
+    probe fails and ``connection_lost`` comes within a second, with the probe's error."""
+    import time
+
+    net = Net("sim")
+    async with opened(net, {}, {}) as (client, server, _):
+        client.transport.write(b"ping")
+        await server.until(lambda: bytes(server.data) == b"ping")
+        assert net.fabric is not None
+        net.fabric.kill_qp(server.transport._link.qp_num)
+        t0 = time.monotonic()
+        exc = await asyncio.wait_for(asyncio.shield(client.lost), 5)
+        took = time.monotonic() - t0
+        server.transport.abort()
+    assert took < 1.0, took
+    assert isinstance(exc, ConnectionResetError), exc
+    assert "probe" in str(exc.__cause__) and "RETRY_EXC_ERR" in str(exc.__cause__), exc.__cause__
+
+
 async def test_refused_and_strict(anyio_backend: Any) -> None:
     sock = __import__("socket").socket()
     sock.bind(("127.0.0.1", 0))
