@@ -584,6 +584,17 @@ async def test_killed_qp_breaks_the_stream(anyio_backend: Any, env: Env) -> None
                     await a.send(bytes(1 << 16))
 
 
+async def _recorded(op: Callable[[], Any], outcome: list[BaseException | None], done: anyio.Event) -> None:
+    """Run ``op``; its outcome (None, or what it raised) goes to ``outcome``, then ``done`` is set."""
+    try:
+        await op()
+        outcome.append(None)
+    except Exception as exc:  # (what the test looks at)
+        outcome.append(exc)
+    finally:
+        done.set()
+
+
 async def _kill_the_peer_and_expect_the_probe(env: Env, qp_num: int, done: anyio.Event,
                                               outcome: list[BaseException | None], probe: float,
                                               who: str) -> None:  # fmt: skip
@@ -623,16 +634,10 @@ async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio
         done = anyio.Event()
 
         async def send() -> None:
-            try:
-                await a.send(bytes(4 << 20))  # more than the reader takes in: it blocks on credits
-                outcome.append(None)
-            except Exception as exc:  # (what the test looks at)
-                outcome.append(exc)
-            finally:
-                done.set()
+            await a.send(bytes(4 << 20))  # more than the reader takes in: it blocks on credits
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
+            tg.start_soon(_recorded, send, outcome, done)
             with anyio.fail_after(10):
                 while True:  # blocked: nothing posted for a while, all of it completed
                     mark = link.session.posted_bytes
@@ -673,19 +678,14 @@ async def test_a_receiver_learns_that_the_peer_host_died_mid_transfer(anyio_back
 
         async def read() -> None:
             got = 0
-            try:
-                while True:
-                    got += len(await b.receive())
-                    if got > 20_000:
-                        flowing.set()
-            except Exception as exc:  # (what the test looks at)
-                outcome.append(exc)
-            finally:
-                done.set()
+            while True:
+                got += len(await b.receive())
+                if got > 20_000:
+                    flowing.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream_to_b)
-            tg.start_soon(read)
+            tg.start_soon(_recorded, read, outcome, done)
             with anyio.fail_after(10):
                 await flowing.wait()
             await _kill_the_peer_and_expect_the_probe(env, _link(a).qp_num, done, outcome, probe, "the reader")
