@@ -289,33 +289,51 @@ async def control(msg: bytes) -> bytes:
 
 async def echo_stream(n: int, chunk: int = 256 << 10, during: Any = None) -> float:
     """``n`` random bytes through the peer's stream echo, full duplex; byte-exact or it fails.
-    ``during``: an async callable started once a quarter is back.  Returns MB/s."""
+
+    ``during``: an async callable started once a quarter of ``n`` is back.  The writer then
+    goes on, cycling through the data, until ``during`` has returned and another quarter is
+    out, so the fault falls inside the transfer however fast the wire is (a fixed ``n`` could
+    be over before a fault request crossed the bed's control directory).  Returns MB/s."""
     import time
 
+    assert n % chunk == 0 and chunk <= n and n >= 1 << 20
     data = os.urandom(n)
-    got = bytearray()
-    async with await aiordma.connect(PEER, STREAM_PORT, transport=TRANSPORT) as s:
-        t0 = time.monotonic()
-        async with anyio.create_task_group() as tg:
+    ring = data + data  # the bytes expected at stream offset p: ring[p % n :]
+    done = anyio.Event()
+    sent = got = 0
 
-            async def write() -> None:
-                for i in range(0, n, chunk):
-                    await s.send(data[i : i + chunk])
-                await s.send_eof()
+    async def fault() -> None:
+        await during()
+        done.set()
 
-            tg.start_soon(write)
-            started = False
-            while True:
-                try:
-                    got += await s.receive(1 << 20)
-                except anyio.EndOfStream:
-                    break
-                if during is not None and not started and len(got) >= n // 4:
-                    started = True
-                    tg.start_soon(during)
-        seconds = time.monotonic() - t0
-    assert len(got) == n and got == data
-    return n / seconds / 1e6
+    async def write(s: aiordma.Stream) -> None:
+        nonlocal sent
+        end = n if during is None else None  # (set once ``during`` returned)
+        while end is None or sent < end:
+            if end is None and done.is_set():
+                end = max(sent, n) + n // 4
+                continue
+            await s.send(ring[sent % n : sent % n + chunk])
+            sent += chunk
+        await s.send_eof()
+
+    with anyio.fail_after(300):  # (a fault that never returns fails the test, not the stage)
+        async with await aiordma.connect(PEER, STREAM_PORT, transport=TRANSPORT) as s:
+            t0 = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write, s)
+                while True:
+                    try:
+                        block = await s.receive(1 << 20)
+                    except anyio.EndOfStream:
+                        break
+                    assert block == ring[got % n : got % n + len(block)], f"the stream differs at {got}"
+                    if during is not None and got < n // 4 <= got + len(block):
+                        tg.start_soon(fault)
+                    got += len(block)
+            seconds = time.monotonic() - t0
+    assert got == sent >= n + (n // 4 if during is not None else 0), (got, sent)
+    return got / seconds / 1e6
 
 
 _RATES: dict[str, float] = {}
