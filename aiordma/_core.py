@@ -151,11 +151,11 @@ class Link(abc.ABC):
     async def wait_closed(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
 
-    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
-        """Another link (RDMA) takes the Core over; this one only watches for the
-        connection's end: ``on_lost()`` is called when it ends or carries any
-        byte.  Returns the watch to close (``None`` when the link reports
-        through its own callbacks)."""
+    def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
+        """Another link (RDMA) takes the Core over; this one only watches the connection:
+        ``on_control(data)`` gets whatever bytes it still carries (after the switch that is only
+        a closing peer's goodbye), ``on_control(None)`` its end.  Returns the watch to close
+        (``None`` when the link reports through its own callbacks)."""
         raise NotImplementedError(f"{type(self).__name__} cannot hand its connection over")
 
 
@@ -261,6 +261,17 @@ class Core:
         else:
             if events:  # (data and messages went to the sinks)
                 self.on_events(events)
+        if self.closed:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop what was received and not read: this side closed and reads no more (what the peer
+        sends meanwhile is parsed -- its CLOSE, its answers -- and dropped)."""
+        self.rbuf.clear()
+        messages = self.messages
+        if messages:
+            messages.clear()
+            messages.nbytes = 0
 
     def resume_after_rendezvous(self) -> None:
         """A byte stream's rendezvous bytes were appended to ``rbuf``: parse what waited behind them."""
@@ -272,6 +283,8 @@ class Core:
         else:
             if events:
                 self.on_events(events)
+        if self.closed:
+            self.discard()
 
     def feed_eof(self, exc: BaseException | None = None) -> None:
         """The byte transport ended, in order (``exc`` None) or not."""
@@ -441,19 +454,27 @@ class Core:
             raise ClosedResourceError(str(exc)) from exc
         await self.link.send([frame])
 
+    def begin_close(self) -> bytes:
+        """This side closes: from now on nothing is read (what is buffered, or arrives, is
+        dropped).  Returns the CLOSE frame to send after everything queued (``b""`` if none is due:
+        the peer closed first, or the connection failed without a protocol error to report)."""
+        error = self.error
+        self.closed = True
+        self.discard()
+        if isinstance(error, AuthenticationError):
+            return self.proto.close(CloseCode.REFUSED, str(error))
+        if error is not None and isinstance(error, (ProtocolError, HandshakeError)):
+            return self.proto.close(CloseCode.PROTOCOL_ERROR, str(error))
+        if error is not None:
+            return b""
+        return self.proto.close(CloseCode.NORMAL, "")
+
     async def aclose(self) -> None:
-        """Close in order: send CLOSE (best effort), release the link.  Idempotent; a checkpoint."""
+        """Close in order: everything sent before is delivered, then CLOSE, then the link is
+        released (``Link.aclose``: bounded by the time the peer takes nothing; the link's own
+        teardown is shielded).  Cancelled while delivering, it aborts: the peer then sees the
+        connection fail, never a stream that ends early in order.  Idempotent; a checkpoint."""
         if self.closed:
             await self.checkpoint()
             return
-        error = self.error
-        self.closed = True
-        if isinstance(error, AuthenticationError):
-            final = self.proto.close(CloseCode.REFUSED, str(error))
-        elif error is not None and isinstance(error, (ProtocolError, HandshakeError)):
-            final = self.proto.close(CloseCode.PROTOCOL_ERROR, str(error))
-        elif error is not None:
-            final = b""
-        else:
-            final = self.proto.close(CloseCode.NORMAL, "")
-        await self.link.aclose(final)
+        await self.link.aclose(self.begin_close())

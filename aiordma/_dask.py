@@ -192,9 +192,9 @@ def _close_nowait(channel: Channel) -> None:
     core = channel._core
     if core.closed:
         return
-    core.closed = True
+    final = core.begin_close()
     try:
-        core.link.close_nowait(core.proto.close() if core.error is None else b"")
+        core.link.close_nowait(final)
     except Exception as exc:  # no running loop (a finalizer at shutdown): nothing more to do
         logger.debug("rdma://: could not close a connection without waiting: %r", exc)
 

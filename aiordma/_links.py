@@ -101,8 +101,55 @@ def _socket_attributes(get: Callable[[str], Any]) -> dict[Any, Callable[[], Any]
     return attrs
 
 
-def _ignore() -> None:
+def _ignore_control(data: bytes | None) -> None:
     pass
+
+
+def unacknowledged(sock: Any) -> int:
+    """Bytes the kernel still holds for the peer on a TCP socket (queued or sent but not
+    acknowledged: ``SIOCOUTQ``); 0 where it cannot tell."""
+    try:
+        import fcntl
+        import termios
+
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError, AttributeError, ImportError):
+        return 0
+    return int.from_bytes(raw, "little", signed=True)
+
+
+class _Linger:
+    """How long a closing TCP connection waits for its peer (see ``AsyncioLink.close_nowait``).
+
+    It ends when the peer's half ends (its FIN: it parsed our CLOSE), or when the peer's kernel
+    acknowledged every byte we sent and the peer sent nothing for a look (looks back off from
+    10 ms to 0.5 s: a peer that reads only when its application does, trio's, never answers
+    with a FIN while nobody reads there).  While bytes still leave (our unacknowledged bytes
+    shrink) or arrive, it waits on; ``CLOSE_TIMEOUT`` seconds without either and it gives up.
+    """
+
+    def __init__(self, now: float) -> None:
+        self.mark: tuple[int, int] | None = None
+        self.since = now
+        self.received = 0
+        self._seen = 0  # what had arrived at the last look
+        self.tick = 0.01
+
+    def look(self, now: float, outstanding: int) -> str | None:
+        """``"delivered"`` (all acknowledged, the peer quiet), ``"stalled"``, or None (go on)."""
+        quiet = self.received == self._seen
+        self._seen = self.received
+        self.tick = min(self.tick * 2, 0.5)
+        if outstanding == 0 and quiet:
+            return "delivered"
+        return "stalled" if self.stalled(now, outstanding) else None
+
+    def stalled(self, now: float, outstanding: int) -> bool:
+        mark = (outstanding, self.received)
+        if mark != self.mark:
+            self.mark, self.since = mark, now
+            return False
+        return now - self.since >= CLOSE_TIMEOUT
 
 
 class AsyncioLink(asyncio.BufferedProtocol, Link):
@@ -149,7 +196,10 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._closed_future: asyncio.Future[None] = loop.create_future()
         self._create_future = loop.create_future
         self._proto = proto
-        self._on_lost: Callable[[], None] | None = None  # set once another link took the Core over
+        #: set once another link (RDMA) took the Core over: it gets what the socket still carries
+        self._on_control: Callable[[bytes | None], None] | None = None
+        self._eof_sent = False  # our half is closed (write_eof)
+        self._linger: _Linger | None = None  # closing in order: our CLOSE is out, waiting for the peer's end
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -167,8 +217,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         return self._proto.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._on_lost is not None:  # handed over: any byte here means the peer is leaving
-            self._lost_after_hand_over()
+        if self._on_control is not None:  # handed over: the RDMA link reads the TCP connection
+            self._on_control(self._proto.peek_lent(nbytes))
             return
         core = self.core
         try:
@@ -180,8 +230,14 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         else:
             if events:
                 core.on_events(events)
+                if core.peer_close is not None:
+                    self._half_close()
+            if core.closed:
+                core.discard()  # (lingering after our CLOSE: what comes is dropped)
+                if self._linger is not None:
+                    self._linger.received += nbytes
             # DATA went into core.rbuf without events: check the level every time
-            if not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
+            elif not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
                 self._pause_reading()
         listener = self.listener
         if listener is not None:
@@ -196,21 +252,25 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 self._wake_more()
 
     def eof_received(self) -> bool:
-        if self._on_lost is not None:
-            self._lost_after_hand_over()
+        if self._on_control is not None:
+            self._control_ended()
             return False
-        self.core.feed_eof()
+        core = self.core
+        if not core.closed:
+            core.feed_eof()
         self._wake()
-        return False
+        return False  # (asyncio closes the transport: lingering after our CLOSE, that is its end)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if self._on_lost is not None:
-            self._lost_after_hand_over()
+        if self._on_control is not None:
+            self._control_ended()
             if not self._closed_future.done():
                 self._closed_future.set_result(None)
             return
         core = self.core
+        if exc is not None and not core.closed and core.error is None and core.peer_close is None:
+            self._read_what_is_left()
         if not core.closed and core.error is None and core.peer_close is None:
             core.feed_eof(exc)
         self._wake()
@@ -220,6 +280,29 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         if not self._closed_future.done():
             self._closed_future.set_result(None)
         self._on_made = None
+
+    def _read_what_is_left(self) -> None:
+        """asyncio's socket transport drops a connection whose write failed (the peer closed and
+        reset it) without reading what the kernel still holds -- the peer's last bytes and its
+        CLOSE, perhaps.  Its socket is still open during ``connection_lost``: read that now,
+        without blocking.  (uvloop closes the socket first; there nothing can be read.)"""
+        transport = self.transport
+        if transport is None or type(transport).__module__ != "asyncio.selector_events":
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        import os
+
+        try:
+            fd = sock.fileno()
+            while fd >= 0:
+                data = os.read(fd, RECEIVE_HIGH_WATER)
+                if not data:
+                    break
+                self.core.feed(data)
+        except OSError:  # (BlockingIOError: nothing more; ECONNRESET after the last bytes)
+            pass
 
     def pause_writing(self) -> None:
         self.paused_writing = True
@@ -236,14 +319,29 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     # -- internals -----------------------------------------------------------
 
-    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
-        self._on_lost = on_lost
+    def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
+        # from now on the socket's bytes go to the RDMA link, not to the protocol object (they
+        # still land in its lent buffer: uvloop keeps the get_buffer it found at the start)
+        self._on_control = on_control
         return None
 
-    def _lost_after_hand_over(self) -> None:
-        on_lost, self._on_lost = self._on_lost, _ignore
-        if on_lost is not None:
-            on_lost()
+    def _control_ended(self) -> None:
+        on_control, self._on_control = self._on_control, _ignore_control
+        if on_control is not None:
+            on_control(None)
+
+    def _half_close(self) -> None:
+        """The peer's CLOSE came: it reads no more, and neither will we send; end our half (after
+        what is queued), so that the peer's lingering close sees our FIN instead of waiting."""
+        writer = self.direct_writer
+        if self._eof_sent or writer is None or writer.is_closing():
+            return
+        self._eof_sent = True
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (OSError, RuntimeError, NotImplementedError) as exc:  # (a transport that cannot)
+            log.debug("aiordma: could not half-close after the peer's CLOSE: %r", exc)
 
     def _wake(self) -> None:
         if self.listener is not None:
@@ -339,12 +437,31 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
 
     def close_nowait(self, final: bytes) -> None:
-        """Write ``final`` and start closing the transport (flushes first)."""
+        """Write ``final`` (our CLOSE) and start closing in order.
+
+        With a CLOSE to deliver, the connection lingers: our half ends after what is queued (a FIN),
+        and reading goes on -- what arrives is dropped -- until the peer's half ends too (it does
+        when it parses our CLOSE), so that the socket never closes with unread bytes: that would
+        make the kernel reset the connection and drop what the peer has yet to read.
+        :meth:`wait_closed` bounds it.  Without a CLOSE (the peer closed first, or the connection
+        failed) the transport just closes (it flushes first)."""
         writer = self.direct_writer
         if writer is not None and not writer.is_closing():
             if final:
                 writer.write(final)
-            writer.close()
+            if final and self._on_control is None and not self._eof_sent and writer.can_write_eof():
+                self._eof_sent = True
+                self._linger = _Linger(self._loop.time())
+                self._linger.stalled(self._loop.time(), writer.get_write_buffer_size())
+                if self._paused_reading:
+                    self._resume_reading()
+                try:
+                    writer.write_eof()
+                except OSError:  # (the peer reset the connection already: nothing to linger for)
+                    self._linger = None
+                    writer.close()
+            else:
+                writer.close()
         elif writer is None and self.transport is not None:
             self.transport.close()
         self._wake()
@@ -355,12 +472,29 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._wake()
 
     async def wait_closed(self) -> None:
-        """Wait until the transport is gone; abort it after ``CLOSE_TIMEOUT``."""
+        """Wait until the transport is gone: after the peer's end while lingering (as long as bytes
+        still leave or arrive; ``CLOSE_TIMEOUT`` seconds without and it aborts), else within
+        ``CLOSE_TIMEOUT`` (then it aborts).  Cancelled, it aborts."""
         if self.transport is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._closed_future), CLOSE_TIMEOUT)
-        except asyncio.TimeoutError:
+            while True:
+                linger = self._linger
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._closed_future),
+                                           linger.tick if linger is not None else CLOSE_TIMEOUT)  # fmt: skip
+                    return
+                except asyncio.TimeoutError:
+                    if linger is None or self.direct_writer is None:
+                        break
+                    writer = self.direct_writer
+                    outstanding = writer.get_write_buffer_size() + unacknowledged(writer.get_extra_info("socket"))
+                    verdict = linger.look(self._loop.time(), outstanding)
+                    if verdict == "delivered":
+                        self._linger = None
+                        writer.close()  # (nothing unread: a FIN, not a reset)
+                    elif verdict == "stalled":
+                        break
             self.abort()
             await self._closed_future
         except asyncio.CancelledError:
@@ -392,6 +526,8 @@ class StreamLink(Link):
         self.ended = False
         self.closed = False
         self._outbox: list[Chunk] = []  # control frames made while fed (send_nowait)
+        self._eof_sent = False  # our half is closed
+        self._send_error: BaseException | None = None  # a write failed: sends fail, reading goes on
         Core(proto, self)
 
     pulls = True
@@ -413,7 +549,7 @@ class StreamLink(Link):
                             await self.stream.send(b"".join(chunks))
                 except (BrokenResourceError, ClosedResourceError, OSError) as exc:
                     self._outbox.clear()
-                    self.core.on_error(exc)
+                    self._send_error = exc
 
     async def wait_incoming(self) -> None:
         core = self.core
@@ -437,6 +573,8 @@ class StreamLink(Link):
                 core.feed(data)
                 if self._outbox:
                     await self._flush_outbox()
+                if core.peer_close is not None and not self._eof_sent and not core.closed:
+                    await self._half_close()
                 if core.error is not None and isinstance(core.error, (ProtocolError, HandshakeError)):
                     self.ended = True
                     with anyio.CancelScope(shield=True):
@@ -444,7 +582,17 @@ class StreamLink(Link):
             finally:
                 self._feeds += 1
 
+    def _broken_send(self, exc: BaseException) -> BrokenResourceError:
+        err = BrokenResourceError(f"the connection is broken: {exc}")
+        err.__cause__ = exc
+        return err
+
     async def send(self, chunks: Sequence[Chunk]) -> None:
+        """Write ``chunks`` (see the Link contract).  A failed write fails this send and every
+        later one, but not the receiving side: a peer that closed (or reset the connection) may
+        have sent its last bytes and its CLOSE before, and those are still read, in order."""
+        if self._send_error is not None:
+            raise self._broken_send(self._send_error)
         if len(chunks) > 1 and sum(len(c) for c in chunks) <= RECEIVE_SIZE:
             chunks = [b"".join(chunks)]
         try:
@@ -457,21 +605,81 @@ class StreamLink(Link):
         except (BrokenResourceError, ClosedResourceError, OSError) as exc:
             if self.core.closed:
                 raise ClosedResourceError from exc
-            self.core.on_error(exc)
-            raise self.core.broken() from exc
+            self._send_error = exc
+            raise self._broken_send(exc) from exc
+
+    async def _half_close(self) -> None:
+        """The peer's CLOSE came: end our half (see ``AsyncioLink._half_close``)."""
+        self._eof_sent = True
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                async with self._send_lock:
+                    await self.stream.send_eof()
+            except (BrokenResourceError, ClosedResourceError, OSError, NotImplementedError) as exc:
+                log.debug("aiordma: could not half-close after the peer's CLOSE: %r", exc)
+
+    async def _linger(self) -> None:
+        """After our CLOSE: end our half, and read (dropping it) until the peer's half ends -- as long
+        as bytes still leave or arrive, ``CLOSE_TIMEOUT`` seconds without either and it gives up
+        (see ``AsyncioLink.close_nowait``).  Cancellable: the caller aborts then."""
+        try:
+            async with self._send_lock:
+                await self.stream.send_eof()
+        except (BrokenResourceError, ClosedResourceError, OSError, NotImplementedError):
+            return  # (a stream without half-close: TLS, for one): close as it is
+        self._eof_sent = True
+        attrs: Mapping[Any, Callable[[], Any]] = self.stream.extra_attributes
+        get_sock = attrs.get(SocketAttribute.raw_socket)
+        if get_sock is None:
+            return  # (not a socket: an in-memory pipe cannot reset what it carried)
+        sock = get_sock()
+        linger = _Linger(anyio.current_time())
+        linger.stalled(linger.since, unacknowledged(sock))
+        while not self.ended:
+            with anyio.move_on_after(linger.tick):
+                async with self._receive_lock:  # (a reader still in wait_incoming gets the end first)
+                    if self.ended:
+                        return
+                    try:
+                        data = await self.stream.receive(RECEIVE_SIZE)
+                    except (EndOfStream, BrokenResourceError, ClosedResourceError, OSError):
+                        self.ended = True
+                        return
+                    finally:
+                        self._feeds += 1
+                    linger.received += len(data)
+                    self.core.feed(data)  # (parsed -- the peer's CLOSE -- and dropped)
+                continue
+            verdict = linger.look(anyio.current_time(), unacknowledged(sock))
+            if verdict == "delivered":
+                return
+            if verdict == "stalled":
+                raise TimeoutError("the peer took nothing and sent nothing while we closed")
 
     async def aclose(self, final: bytes) -> None:
         if self.closed:
             return
         self.closed = True
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CLOSE_TIMEOUT):
+        delivered = False
+        try:
+            if final:
                 try:
-                    if final:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                         async with self._send_lock:
                             await self.stream.send(final)
+                        delivered = True
                 except (BrokenResourceError, ClosedResourceError, OSError) as exc:
                     log.debug("could not send CLOSE: %r", exc)
+                if delivered and not self.ended:
+                    try:
+                        await self._linger()
+                    except TimeoutError as exc:
+                        log.info("aiordma: closing: %s; closing the socket as it is", exc)
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        with anyio.CancelScope(shield=True):
             closed = False
             with anyio.move_on_after(CLOSE_TIMEOUT):
                 try:
@@ -482,13 +690,34 @@ class StreamLink(Link):
             if not closed:
                 await anyio.aclose_forcefully(self.stream)
 
-    def hand_over(self, io: IOBackend, on_lost: Callable[[], None]) -> Watch | None:
-        """Watch the raw socket: nothing reads the stream any more; readable means EOF or stray bytes."""
+    def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
+        """Watch the raw socket: nothing reads the stream any more; what it still carries (a
+        goodbye, stray bytes) or its end goes to ``on_control`` (read here, without blocking)."""
+        import socket
+
         attrs: Mapping[Any, Callable[[], Any]] = self.stream.extra_attributes
         get_sock = attrs.get(SocketAttribute.raw_socket)
         if get_sock is None:
             raise NotImplementedError("this stream has no socket to watch for liveness")
-        return io.watch(int(get_sock().fileno()), on_lost)
+        sock = get_sock()
+        watch: Watch | None = None
+
+        def readable() -> None:
+            nonlocal watch
+            try:
+                data: bytes | None = sock.recv(256, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = None
+            if not data:
+                data = None
+                if watch is not None:
+                    watch.close()  # (an ended socket stays readable)
+            on_control(data)
+
+        watch = io.watch(int(sock.fileno()), readable)
+        return watch
 
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:

@@ -243,6 +243,9 @@ _END_OF_STREAM: Final = EndOfStream()
 
 # hot-path constants (module globals are cheaper than enum class attributes)
 _S_OPEN: Final = State.OPEN
+_S_CLOSE_SENT: Final = State.CLOSE_SENT
+#: the states in which the peer's frames are read: open, and after our CLOSE until the peer's
+_READING: Final = frozenset({State.OPEN, State.CLOSE_SENT})
 _H_OPEN: Final = Half.OPEN
 _M_STREAM: Final = Mode.STREAM
 _M_MESSAGES: Final = Mode.MESSAGES
@@ -275,6 +278,13 @@ class MessageSink(deque[bytes]):
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+
+
+def _hmac_key(key: bytes) -> bytes:
+    """The HMAC key of a pre-shared key: its SHA-256 with a label.  HMAC pads a short key with
+    zero bytes (and hashes a long one), so ``b"k"`` and ``b"k\0"`` would be the same HMAC key;
+    hashing first makes every distinct key a distinct one."""
+    return hashlib.sha256(b"aiordma auth v1 key\0" + key).digest()
 
 
 def _decode_reason(raw: bytes | memoryview, what: str) -> str:
@@ -596,7 +606,7 @@ class Connection:
         assert self.auth_key is not None and self._auth_nonces is not None
         nonce_c, nonce_s = self._auth_nonces
         msg = _AUTH_LABELS[role] + nonce_c + nonce_s + self._client_hello
-        return hmac.new(self.auth_key, msg, hashlib.sha256).digest()
+        return hmac.new(_hmac_key(self.auth_key), msg, hashlib.sha256).digest()
 
     def send_auth_challenge(self) -> bytes:
         """Server with a key, after the client's HELLO: our nonce and our proof of the key."""
@@ -735,7 +745,8 @@ class Connection:
             self._step(Input.SEND_CLOSE, remote=False)
         self.close_sent = True
         self.send_half = Half.CLOSED
-        self.recv_half = Half.CLOSED
+        if self.state is not State.CLOSE_SENT:  # (CLOSE_SENT: what the peer sent meanwhile is still read)
+            self.recv_half = Half.CLOSED
         self.handshake_deadline = None
         # a side that refuses before its HELLO still starts with the magic
         prefix = b"" if self._magic_sent else MAGIC
@@ -752,6 +763,11 @@ class Connection:
             return self._view
         self._reserve(max(sizehint, MIN_RECV_ROOM))
         return self._view[self._end :]
+
+    def peek_lent(self, nbytes: int) -> bytes:
+        """The ``nbytes`` written into the buffer :meth:`get_buffer` lent last, without parsing
+        them (a link that no longer carries this protocol's frames reads them so)."""
+        return bytes(self._view[self._end : self._end + nbytes])
 
     def buffer_updated(self, nbytes: int) -> list[Event]:
         end = self._end + nbytes
@@ -1008,7 +1024,7 @@ class Connection:
                         self._bad_header(ftype, flags, reserved)
                     if length > self.max_frame_size:
                         raise RemoteProtocolError(f"DATA frame of {length} bytes exceeds the limit {self.max_frame_size}")
-                    if self.state is not _S_OPEN:
+                    if self.state is not _S_OPEN and self.state is not _S_CLOSE_SENT:
                         self._half_step(Half.CLOSED, HalfInput.DATA, remote=True)
                     pos += _HEADER_SIZE
                     self._data_left = length
@@ -1092,7 +1108,7 @@ class Connection:
         if ftype is FrameType.MESSAGE:
             if self.mode is not Mode.MESSAGES:
                 raise RemoteProtocolError("MESSAGE frame on a byte-stream connection")
-            if self.state is not State.OPEN:
+            if self.state not in _READING:
                 self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
             self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
             return Message(bytes(payload))
@@ -1100,10 +1116,10 @@ class Connection:
             # only reached when the fast path refused it: wrong mode or state
             if self.mode is not Mode.STREAM:
                 raise RemoteProtocolError("DATA frame on a message connection")
-            self._half_step(self.recv_half if self.state is State.OPEN else Half.CLOSED, HalfInput.DATA, remote=True)
+            self._half_step(self.recv_half if self.state in _READING else Half.CLOSED, HalfInput.DATA, remote=True)
             raise AssertionError("unreachable")  # pragma: no cover
         if ftype is FrameType.MEMORY:
-            if self.state is not State.OPEN:
+            if self.state not in _READING:
                 raise RemoteProtocolError(f"MEMORY frame in state {self.state.value}")
             if self.mode is Mode.STREAM and len(payload) and payload[0] == _MEMORY_RNDV:
                 # a stream's rendezvous: its bytes come before everything after it, so nothing
@@ -1111,7 +1127,7 @@ class Connection:
                 self.paused = True
             return MemoryFrame(bytes(payload))
         if ftype is FrameType.EOF:
-            if self.state is not State.OPEN:
+            if self.state not in _READING:
                 self._half_step(Half.CLOSED, HalfInput.EOF, remote=True)
             self.recv_half = self._half_step(self.recv_half, HalfInput.EOF, remote=True)
             return _END_OF_STREAM

@@ -262,6 +262,7 @@ async def _stage_and_announce(core: Core, view: memoryview) -> None:
     while link.rndv_staged and link.rndv_staged + n > link.rndv_limit:
         core.check_send()
         await link.incoming()
+    core.check_send()  # (the peer may have closed while this waited: BrokenResourceError, not a protocol error)
     region = link.rndv_take(n)
     stage = region.view(0, n)
     try:

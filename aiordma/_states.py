@@ -41,6 +41,9 @@ class State(enum.Enum):
     HELLO_RECEIVED = "hello-received"  # server: client's HELLO read, ours not sent yet
     AWAIT_SELECT = "await-select"  # server: waits for the client's SELECT
     OPEN = "open"  # data may flow (each direction has its own HALF state)
+    #: we sent CLOSE on an open connection: what the peer sent before it saw ours still comes,
+    #: and is parsed (and dropped by the Core) until the peer's CLOSE or the end
+    CLOSE_SENT = "close-sent"
     CLOSED = "closed"  # a CLOSE frame went one way or the other, or an error
 
 
@@ -85,6 +88,8 @@ for _role in Role:
             HANDSHAKE[(_role, _state, Input.SEND_CLOSE)] = State.CLOSED
             HANDSHAKE[(_role, _state, Input.RECV_CLOSE)] = State.CLOSED
         HANDSHAKE[(_role, _state, Input.FAIL)] = State.CLOSED
+    # closing an open connection: the peer's frames already on their way are still read
+    HANDSHAKE[(_role, State.OPEN, Input.SEND_CLOSE)] = State.CLOSE_SENT
 
 
 class Half(enum.Enum):

@@ -359,8 +359,7 @@ class AiordmaTransport(asyncio.Transport):
             return
         self._closing = True
         core = self._core
-        final = self._proto.close() if core.error is None and not core.closed else b""
-        self._close_link(final, None)
+        self._close_link(b"" if core.closed else core.begin_close(), None)
 
     def abort(self) -> None:
         """Drop what was not sent; ``connection_lost(None)`` comes at once (the link's teardown runs on)."""
@@ -368,13 +367,19 @@ class AiordmaTransport(asyncio.Transport):
         self._closing = True
         core = self._core
         if first or not core.closed:
-            core.closed = True
-            abort = getattr(self._link, "abort", None)
-            if abort is not None:
-                abort()
-            else:
-                self._link.close_nowait(b"")
+            self._abort_link()
         self._loop.call_soon(self._call_connection_lost, None)
+
+    def _abort_link(self) -> None:
+        """Release the link delivering nothing more (the peer sees the connection fail)."""
+        core = self._core
+        core.closed = True
+        core.discard()
+        abort = getattr(self._link, "abort", None)
+        if abort is not None:
+            abort()
+        else:
+            self._link.close_nowait(b"")
 
     def _close_link(self, final: bytes, exc: BaseException | None) -> None:
         core = self._core
@@ -401,8 +406,7 @@ class AiordmaTransport(asyncio.Transport):
             return
         if not self._closing:
             self._closing = True
-            self._core.closed = True
-            self._link.close_nowait(b"")
+            self._abort_link()
         self._loop.call_soon(self._call_connection_lost, exc)
 
     def _call_connection_lost(self, exc: BaseException | None) -> None:

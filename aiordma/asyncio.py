@@ -287,8 +287,7 @@ class StreamWriter:
         core = self._core
         if core.closed:
             return
-        core.closed = True
-        self._link.close_nowait(self._proto.close() if core.error is None else b"")
+        self._link.close_nowait(core.begin_close())
 
     def is_closing(self) -> bool:
         return self._core.closed or self._link.lost

@@ -323,7 +323,7 @@ def test_close_signals_the_last_send_and_a_fence_follows_an_unsignaled_one() -> 
         wire.deliver(a, b)
     wire.poll(a, len(a.cq))
     assert a.session.close_sent
-    assert a.session.state is LinkState.DRAINING
+    assert a.session.state is LinkState.LINGER
 
 
 def test_a_completion_of_an_earlier_generation_of_the_cid_is_not_taken() -> None:

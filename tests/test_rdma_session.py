@@ -250,7 +250,7 @@ def test_close_signals_the_last_send_and_waits_for_it() -> None:
         deliver(a, b)
     poll(a)
     assert a.session.close_sent
-    assert a.session.state is LinkState.DRAINING
+    assert a.session.state is LinkState.LINGER
 
 
 def test_send_queue_never_overruns_with_a_small_granted_depth() -> None:

@@ -70,6 +70,7 @@ _C_STATE = {
     LinkState.SETUP: CS_SETUP,
     LinkState.OPEN: CS_OPEN,
     LinkState.CLOSING: CS_CLOSING,
+    LinkState.LINGER: CS_CLOSING,  # (C: receives, returns credits; Python queues nothing more)
     LinkState.DRAINING: CS_DRAINING,
     LinkState.CLOSED: CS_DRAINING,
 }
@@ -400,7 +401,7 @@ class NativeSession:
     def flush(self) -> list[SendWork]:
         """Post what the backlog and the credits allow (C posts); nothing is left for the link."""
         state = self.state
-        if state is not LinkState.OPEN and state is not LinkState.CLOSING:
+        if state is not LinkState.OPEN and state is not LinkState.CLOSING and state is not LinkState.LINGER:
             return []
         c = self.c
         backlog = self._backlog

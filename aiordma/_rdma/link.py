@@ -50,7 +50,7 @@ from .._onesided import READ, WRITE, RemoteMemoryError
 from .._core import RECEIVE_HIGH_WATER, Core, Link
 from .._errors import RDMAError, RemoteProtocolError
 from .._io import IOBackend, Watch, current_io
-from .._protocol import Chunk
+from .._protocol import CLOSE_FIXED, Chunk, CloseCode, FrameType, frame
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
 from .constants import MTU_TO_ENUM, Access, Opcode, SendWR, WCStatus, wc_status_name
@@ -73,6 +73,9 @@ MAX_RDMA_MESSAGE = 1 << 30
 STAGE = 4 << 20
 #: a rendezvous message up to this size is READ into one staging region (larger: in STAGE pieces)
 STAGE_BYTES_MAX = 64 << 20
+#: what a closing side writes on the TCP connection once its CLOSE was delivered in-band and the peer
+#: READ all it staged (docs/protocol.md, "Closing an RDMA connection"); ends the TCP connection's silence
+_GOODBYE = frame(FrameType.CLOSE, CLOSE_FIXED.pack(CloseCode.NORMAL))
 
 
 def _address(link: Link, attribute: Any) -> str | None:
@@ -114,13 +117,19 @@ class RdmaLink(Link):
         self._cq_reserved = 0
         self._routed = False
         self._parking = io.parking()  # readers, senders and teardown wait here
-        self._liveness: Watch | None = None
+        self._control_watch: Watch | None = None  # the TCP connection, watched after the switch
+        self._control_rx = b""  # bytes the TCP connection carried after the switch (a goodbye, or less)
+        self._peer_goodbye = False
+        self._goodbye_timer: Watch | None = None
         self._probing = backend.config.liveness_probe > 0  # (RdmaConfig.liveness_probe)
         self._watched = False  # in the device's liveness plan (a task waits: see incoming())
         self._probe_wanted = False  # the CQ is armed for every completion while our probe is out
         self._tcp_lost = False
         self._qp_errored = False
         self._closing = False
+        self._delivering = False  # closing, and waiting until the peer has everything (see aclose)
+        self._abort = False
+        self._goodbye: Watch | None = None  # the peer said goodbye on TCP: its CLOSE must follow in-band
         self._closed_done = False
         self._close_task: asyncio.Task[None] | None = None
         self._step = "device"
@@ -323,7 +332,7 @@ class RdmaLink(Link):
         core.fallback_reason = ""
         if self._native and self.config.rendezvous:
             core.rndv_min = self.config.rendezvous
-        self._liveness = control.hand_over(self.io, self._on_control_lost)
+        self._control_watch = control.hand_over(self.io, self._on_control)
         if self._native:
             early, self._early = self._early, []
             for data in early:
@@ -411,6 +420,8 @@ class RdmaLink(Link):
                 self.needs_consumed = c.withheld != 0 or self._stream_fetch is not None
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
+                elif core.closed and c.withheld:
+                    self._release_withheld()  # (closed: what arrives is dropped, credits flow)
             elif early:
                 self._early.append(bytes(view))
         if events & EVT_ONESIDED:
@@ -478,6 +489,8 @@ class RdmaLink(Link):
                     feed(view)
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
+                elif core.closed and session.withheld:
+                    session.consumed(0)  # (closed: what arrives is dropped, credits flow)
             if reposts and session.error is None:
                 self._post_recv(reposts)
             if session.error is None:
@@ -496,17 +509,65 @@ class RdmaLink(Link):
             self._broke()
         self._wake_all()
 
+    def _on_control(self, data: bytes | None) -> None:
+        """The TCP connection carried ``data`` after the switch, or ended (``None``).
+
+        After the switch the TCP connection is silent but for one thing: a side that closed in
+        order writes its goodbye (a CLOSE frame) once its in-band CLOSE was delivered, then ends
+        the connection.  Anything else -- an end without a goodbye, other bytes -- means the peer
+        is gone (crashed, killed, aborted) or does not speak the protocol."""
+        if self._tcp_lost:
+            return
+        if data is not None:
+            rx = self._control_rx = self._control_rx + data
+            if not self._peer_goodbye and len(rx) <= len(_GOODBYE) and _GOODBYE.startswith(rx):
+                if len(rx) == len(_GOODBYE):
+                    self._on_goodbye()
+                return
+        elif self._peer_goodbye:
+            self._close_control_watch()  # the end that follows the goodbye
+            return
+        self._on_control_lost()
+
+    def _on_goodbye(self) -> None:
+        """The peer closed in order: its CLOSE is in our receive queue (its completion came back to
+        it), perhaps not polled yet.  Wait for it over RDMA (bounded), never fail for the TCP end."""
+        self._peer_goodbye = True
+        core = self.core
+        if self.device is not None and not self.device.closed:
+            self.device.poller.poll_now()
+        if core.peer_close is None and core.error is None and not core.closed:
+            timeout = self.config.close_timeout
+            self._goodbye_timer = self.io.call_later(timeout, partial(self._goodbye_expired, timeout))
+
+    def _goodbye_expired(self, timeout: float) -> None:
+        self._goodbye_timer = None
+        core = self.core
+        if core.peer_close is None and core.error is None and not core.closed:
+            core.feed_eof(ConnectionResetError(
+                f"the peer closed the connection in order, but its CLOSE did not arrive over RDMA within {timeout} s"
+            ))  # fmt: skip
+            self._lost_failed()
+
+    def _close_control_watch(self) -> None:
+        if self._control_watch is not None:
+            self._control_watch.close()
+            self._control_watch = None
+
     def _on_control_lost(self) -> None:
-        """The TCP connection ended or carried bytes: after the switch that means the peer is leaving."""
-        if self._liveness is not None:
-            self._liveness.close()
-            self._liveness = None
+        """The TCP connection ended without a goodbye (or carried other bytes): the peer is gone."""
+        self._close_control_watch()
         self._tcp_lost = True
         if self.device is not None and not self.device.closed:
             self.device.poller.poll_now()  # was the peer's CLOSE already in the CQ?
         core = self.core
         if core.peer_close is None and core.error is None and not core.closed:
             core.feed_eof(ConnectionResetError("the TCP connection of the RDMA link ended"))
+        self._lost_failed()
+
+    def _lost_failed(self) -> None:
+        """The Core failed for a reason of the TCP side: the session follows, the QP goes to ERROR."""
+        core = self.core
         session = self.session
         if session is not None and session.error is None and core.error is not None:
             session.fail(core.error)
@@ -694,7 +755,7 @@ class RdmaLink(Link):
     def _watch_liveness(self) -> None:
         device = self.device
         session = self.session
-        if self._active and device is not None and session is not None and not self._closing:
+        if self._active and device is not None and session is not None and (not self._closing or self._delivering):
             self._watched = True
             device.watch_liveness(self, int(session.progress))
 
@@ -705,7 +766,7 @@ class RdmaLink(Link):
         if self._probe_wanted and (session is None or not session.probe_outstanding):
             self._probe_wanted = False  # our probe completed
             self._unwant_sends(True)
-        if session is None or session.error is not None or self._closing or not len(self._parking):
+        if session is None or session.error is not None or (self._closing and not self._delivering) or not len(self._parking):
             self._watched = False
             return None
         return int(session.progress)
@@ -715,7 +776,7 @@ class RdmaLink(Link):
         (a zero-length RDMA WRITE) unless the last one is still out.  A dead peer fails it within
         the RC retry budget, which fails the connection and wakes every waiter."""
         session = self.session
-        if session is None or session.error is not None or self.qp is None or self._closing:
+        if session is None or session.error is not None or self.qp is None or (self._closing and not self._delivering):
             return
         if session.probe_outstanding:
             return  # the last probe has not completed: the retry budget is running
@@ -907,6 +968,11 @@ class RdmaLink(Link):
     def stream_fetch(self, rv: Any) -> None:
         """A byte stream's rendezvous: READ it into a staging region, from the callback (nothing
         awaits it); when it completes, its bytes go to ``rbuf`` and the protocol resumes."""
+        if self.core.closed:
+            # this side reads no more: the bytes are not fetched, what follows is parsed on (the
+            # peer learns from our CLOSE that nobody takes them)
+            self.core.resume_after_rendezvous()
+            return
         device = self.device
         if device is None or device.closed or self._stream_fetch is not None:
             self.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
@@ -1041,6 +1107,19 @@ class RdmaLink(Link):
     # -- teardown ------------------------------------------------------------------------
 
     async def aclose(self, final: bytes) -> None:
+        """Close in order: deliver, then tear down (see the module docs, "Closing").
+
+        Everything queued before ``final`` (the CLOSE frame) goes out first; the link then waits
+        until the CLOSE's completion came back (the peer's NIC placed it, and with it everything
+        before it, in the peer's receive buffers) and the peer READ every rendezvous region it
+        still had to take.  The wait is bounded by ``close_timeout`` seconds *without progress*:
+        a slow reader is waited for as long as it reads.  Only when everything was delivered
+        does the TCP connection carry the closing side's goodbye (a CLOSE frame) before it ends,
+        which tells the peer that the CLOSE is in its queue: the TCP end can then never overtake
+        the data.  A delivery that cannot complete (the peer stopped reading, the connection
+        failed, this call was cancelled) is an abort: the teardown runs, no goodbye goes, and
+        the peer sees an error -- never a shorter stream that looks complete.  Idempotent; the
+        teardown itself is shielded."""
         if self._closing:
             if not self._closed_done:
                 with anyio.CancelScope(shield=True):
@@ -1048,40 +1127,102 @@ class RdmaLink(Link):
                         await self._wait()
             return
         self._closing = True
-        session = self.session
         wanted = self._want_sends()  # the last send's completion, then the flushes
+        delivered = False
         try:
-            with anyio.CancelScope(shield=True):
-                # nothing to deliver (no CLOSE to send, no backlog), or the peer closed first and
-                # reads no more: go straight to the drain -- waiting for a completion from a peer
-                # that may have destroyed its QP would only cost its retry timeout
-                peer_closed = self._active and self.core.peer_close is not None
-                deliver = bool(final) or (session is not None and session.backlog)
-                if (
-                    session is not None
-                    and session.state is LinkState.OPEN
-                    and session.error is None
-                    and deliver
-                    and not peer_closed
-                ):
-                    with anyio.move_on_after(self.config.close_timeout):
-                        if final:
-                            session.queue([final])
-                        session.begin_close()
-                        work = session.flush()
-                        if work:
-                            self._post_send(work)
-                        if session.error is not None:
-                            self._broke()
-                        while not session.close_sent and session.error is None and not self._tcp_lost:
-                            await self._wait()
-                await self._teardown()
-                if self.control is not None:
-                    await self.control.aclose(b"")
+            if self._may_deliver(final):
+                delivered = await self._deliver(final)
         finally:
-            self._unwant_sends(wanted)
-            self._closed_done = True
-            self._wake_all()
+            self._delivering = False
+            with anyio.CancelScope(shield=True):
+                try:
+                    if delivered and self.control is not None:
+                        await self._say_goodbye(self.control)
+                    await self._teardown()
+                    if self.control is not None:
+                        await self.control.aclose(b"")
+                finally:
+                    self._unwant_sends(wanted)
+                    self._closed_done = True
+                    self._wake_all()
+
+    async def _say_goodbye(self, control: Link) -> None:
+        """Tell the peer, on the TCP connection, that our CLOSE is in its queue (see :meth:`aclose`)."""
+        with anyio.move_on_after(self.config.close_timeout):
+            try:
+                await control.send([_GOODBYE])
+            except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                log.debug("aiordma: the goodbye on the TCP connection did not go: %r", exc)
+
+    def abort(self) -> None:
+        """Close at once, delivering nothing more (``asyncio.Transport.abort``); the teardown runs
+        in a task, as with :meth:`close_nowait`.  The peer sees the connection fail."""
+        self._abort = True
+        self.close_nowait(b"")
+
+    def _may_deliver(self, final: bytes) -> bool:
+        """Whether closing has something to deliver: a CLOSE frame, a backlog, or regions the
+        peer has yet to READ -- on a healthy connection whose peer still reads."""
+        session = self.session
+        if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
+            return False
+        if self._tcp_lost or (self._active and self.core.peer_close is not None):
+            return False  # the peer closed first and reads no more
+        return bool(final) or session.backlog or bool(self._rndv_held)
+
+    async def _deliver(self, final: bytes) -> bool:
+        """Post the backlog and ``final``, then wait until the peer has it all (see :meth:`aclose`);
+        returns whether it has.  Cancellable: a cancelled delivery is an abort."""
+        session = self.session
+        assert session is not None
+        self._delivering = True
+        self._release_withheld()  # this side reads no more: the peer's sends (its RNDV_DONEs) must flow
+        if final:
+            session.queue([final])
+        session.begin_close()
+        work = session.flush()
+        if work:
+            self._post_send(work)
+        if self._native:
+            self._track_sq()
+        if session.error is not None:
+            self._broke()
+        io = self.io
+        timeout = self.config.close_timeout
+        last: tuple[int, int] | None = None
+        since = io.clock()
+        while not (session.close_sent and not self._rndv_held):
+            if session.error is not None or self._tcp_lost or self.core.peer_close is not None:
+                return False
+            mark = (int(session.progress), self.rndv_staged)
+            now = io.clock()
+            if mark != last:
+                last, since = mark, now
+            elif now - since >= timeout:
+                log.info(
+                    "aiordma: closing an RDMA connection: the peer took nothing for %.1f s; aborting "
+                    "(%d rendezvous bytes not READ, CLOSE %s)",
+                    timeout, self.rndv_staged, "delivered" if session.close_sent else "not delivered",
+                )  # fmt: skip
+                return False
+            if not self._watched and self._probing:
+                self._watch_liveness()  # a peer host that died is noticed within the retry budget
+            with anyio.move_on_after(timeout - (now - since)):
+                await self._wait()
+        return True
+
+    def _release_withheld(self) -> None:
+        """This side is closed and reads no more: return every credit withheld for a reader, now and
+        from now on (what arrives is dropped by the Core)."""
+        session = self.session
+        if session is None or session.error is not None:
+            return
+        if session.withheld and session.consumed(0):
+            work = session.flush()
+            if work:
+                self._post_send(work)
+            if self._native:
+                self._track_sq()
 
     async def _teardown(self) -> None:
         """QP to ERROR, wait for the flushes (bounded), then destroy and release (see the module docs)."""
@@ -1107,9 +1248,10 @@ class RdmaLink(Link):
 
     def _destroy(self) -> None:
         """Destroy the QP (the barrier after which the device touches nothing), then release the rest."""
-        if self._liveness is not None:
-            self._liveness.close()
-            self._liveness = None
+        self._close_control_watch()
+        if self._goodbye_timer is not None:
+            self._goodbye_timer.close()
+            self._goodbye_timer = None
         device = self.device
         errors: list[BaseException] = []
 

@@ -77,6 +77,8 @@ KIND_CREDIT: Final = 1
 KIND_PROBE: Final = 2
 
 _RECV: Final = int(WCOpcode.RECV)
+#: the states in which the QP carries traffic (a flush then is an error, not the teardown's)
+_LIVE: Final = frozenset({LinkState.OPEN, LinkState.CLOSING, LinkState.LINGER})
 _FLUSH: Final = int(WCStatus.WR_FLUSH_ERR)
 _IMM_DATA_MASK: Final = (1 << 24) - 1
 _IMM_CTRL_MASK: Final = 0x7F
@@ -301,7 +303,7 @@ class RdmaSession:
     def flush(self) -> list[SendWork]:
         """The sends that may be posted now: credit messages due, then the backlog."""
         state = self.state
-        if state is not LinkState.OPEN and state is not LinkState.CLOSING:
+        if state is not LinkState.OPEN and state is not LinkState.CLOSING and state is not LinkState.LINGER:
             return []
         credits = self.credits
         assert credits is not None
@@ -428,7 +430,7 @@ class RdmaSession:
         ring = self.recv
         rposted = self._rposted
         credits = self.credits
-        active = (self.state is LinkState.OPEN or self.state is LinkState.CLOSING) and self.error is None
+        active = self.state in _LIVE and self.error is None
         nbuf = ring.count
         slot_size = ring.slot_size
         for wr_id, status, opcode, byte_len, imm, _qp in entries:
@@ -512,7 +514,7 @@ class RdmaSession:
             self._bad(RDMAError(5, "ibv_poll_cq", f"a send completion for nothing outstanding "
                                                    f"(wr_id={wr_id:#x}, {wc_status_name(status)})"))  # fmt: skip
             return
-        if status and (status != _FLUSH or self.state is LinkState.OPEN or self.state is LinkState.CLOSING):
+        if status and (status != _FLUSH or self.state in _LIVE):
             kind = wr_kind(wr_id)
             what = "RDMA path probe" if kind == KIND_PROBE else "RDMA send"
             self._bad(_wc_error(what, wr_id, status))

@@ -2,15 +2,19 @@
 
 ::
 
-    SETUP ──activate──▶ OPEN ──close──▶ CLOSING ──close_sent──▶ DRAINING ──drained──▶ CLOSED
-      │                  │                 │                        ▲
-      └──fail/close/drain┴───fail/drain────┴────────────────────────┘
+    SETUP ──activate──▶ OPEN ──close──▶ CLOSING ──close_sent──▶ LINGER ──drain──▶ DRAINING ──drained──▶ CLOSED
+      │                  │                 │                       │                  ▲
+      └──fail/close/drain┴───fail/drain────┴───────fail/drain──────┴──────────────────┘
 
 * ``SETUP``: the QP is being brought up; receive buffers are posted (a SEND
   that arrives before the switch is kept for the link).
 * ``OPEN``: data flows both ways.
 * ``CLOSING``: no new sends are taken; the backlog and the CLOSE frame are
   being posted, the last work request signaled, and we wait for its completion.
+* ``LINGER``: the CLOSE frame was delivered (its completion came back), but the
+  peer may still READ what we staged for it (rendezvous regions): the QP stays
+  up, receives and returns credits, and posts nothing else, until the peer
+  took everything (or stopped making progress) and the link drains.
 * ``DRAINING``: the QP is in ERROR (or about to be): every posted work request
   comes back (flushed), then the QP can be destroyed and its buffers reused.
 * ``CLOSED``: QP destroyed, buffers returned, device reference released.
@@ -32,6 +36,7 @@ class LinkState(enum.Enum):
     SETUP = "setup"
     OPEN = "open"
     CLOSING = "closing"
+    LINGER = "linger"
     DRAINING = "draining"
     CLOSED = "closed"
 
@@ -54,8 +59,12 @@ LIFECYCLE: Final[dict[tuple[LinkState, LinkInput], LinkState]] = {
     (_S.OPEN, _I.CLOSE): _S.CLOSING,
     (_S.OPEN, _I.FAIL): _S.DRAINING,
     (_S.CLOSING, _I.CLOSE): _S.CLOSING,
-    (_S.CLOSING, _I.CLOSE_SENT): _S.DRAINING,
+    (_S.CLOSING, _I.CLOSE_SENT): _S.LINGER,
     (_S.CLOSING, _I.FAIL): _S.DRAINING,
+    (_S.LINGER, _I.CLOSE): _S.LINGER,
+    (_S.LINGER, _I.CLOSE_SENT): _S.LINGER,
+    (_S.LINGER, _I.FAIL): _S.DRAINING,
+    (_S.LINGER, _I.DRAIN): _S.DRAINING,
     (_S.DRAINING, _I.CLOSE): _S.DRAINING,
     (_S.DRAINING, _I.FAIL): _S.DRAINING,
     (_S.DRAINING, _I.CLOSE_SENT): _S.DRAINING,

@@ -15,9 +15,13 @@ written against the native binding runs unchanged on them.
   crash).  Inline data is read at post time from any registered range.
 * **The wire is instant.**  A send WR executes synchronously inside
   ``post_send*``: the responder's receive is consumed, bytes are copied and
-  both completions are queued before the call returns.  Only
-  :attr:`SimFabric.hold_acks` delays something: the requester's successful
-  send-queue completions wait until :meth:`SimFabric.release_acks`.
+  both completions are queued before the call returns.  Only the holds delay
+  something: :attr:`SimFabric.hold_acks` (the requester's successful send-queue
+  completions wait until :meth:`SimFabric.release_acks`), and per QP
+  :meth:`SimFabric.hold` -- late ACKs, late receive completions (the data is
+  placed and ACKed but the responder sees it later), slow READs (they execute
+  at :meth:`SimFabric.release`, against whatever the responder has then) --
+  which force the orderings a NIC can produce and an instant wire cannot.
 * **Verbs rules are strict.**  No receive posted is an immediate
   ``RNR_RETRY_EXC_ERR`` (as if ``rnr_retry`` ran out), an unreachable or dead
   peer an immediate ``RETRY_EXC_ERR``; send-queue slots are freed only by
@@ -340,7 +344,8 @@ class _Device:
 class SimFabric:
     """A simulated RDMA fabric: devices, and the RC wire between their QPs (the "verbs provider").
 
-    Fault knobs: :attr:`hold_acks` / :meth:`release_acks` (and :attr:`flush_held_on_error`), :meth:`kill_qp`,
+    Fault knobs: :attr:`hold_acks` / :meth:`release_acks` (and :attr:`flush_held_on_error`), :meth:`hold` /
+    :meth:`release` (one QP's late ACKs, late receive completions, slow READs), :meth:`kill_qp`,
     :meth:`fail_next`, :meth:`post_async_event`.  :attr:`counters` counts
     posts, polls, events and errors for tests and benchmarks.
     """
@@ -359,7 +364,10 @@ class SimFabric:
         self._issued: set[int] = set()  # every QP number and key ever handed out (never reused)
         self._by_lkey: dict[int, SimMemoryRegion] = {}
         self._by_rkey: dict[int, SimMemoryRegion] = {}
-        self._held: list[tuple[SimQueuePair, _Completion]] = []
+        #: held send-side items in order: completions (late ACKs) and RDMA READs not executed yet
+        self._held: list[tuple[SimQueuePair, _Completion | _Work]] = []
+        self._held_recvs: list[tuple[SimQueuePair, _Completion]] = []  # late receive completions
+        self._holds: dict[int, frozenset[str]] = {}  # qp_num -> what is held for it (see hold())
         self._killed: set[int] = set()
         self._recorders: dict[int, SimQueuePair] = {}  # native-path chan address -> its QP (record mode)
         self._fail_next: dict[int, int] = {}
@@ -416,12 +424,54 @@ class SimFabric:
 
     # fault knobs ----------------------------------------------------------
     def release_acks(self) -> int:
-        """Queue every held send completion on its CQ, in order; returns how many."""
+        """Queue every held send completion on its CQ, in order (held READs run now); returns how
+        many.  Per-QP holds (:meth:`hold`) stay as they are."""
         held, self._held = self._held, []
-        for qp, c in held:
-            qp._held -= 1
-            qp.send_cq._push(c)
+        for qp, _item in held:
+            qp._held = 0
+        for qp, item in held:
+            qp._release_item(item)
         return len(held)
+
+    def hold(self, qp_num: int, *, acks: bool = False, recvs: bool = False, reads: bool = False) -> None:
+        """Make one QP's traffic come late, in an order a NIC can produce, until :meth:`release`:
+
+        * ``acks``: its successful send completions wait (the peer has the data; the ACK is late);
+        * ``recvs``: its receive completions wait -- the data is placed in its buffers and ACKed
+          (the sender's completion comes back), but the completion is late, so the sender may
+          tell us on another channel (the TCP connection) before we see it;
+        * ``reads``: its RDMA READs wait before they execute (a slow response): the responder
+          may deregister, invalidate or destroy what they target first, and the READ then fails
+          as it would on a NIC.  Completions of this QP after a held READ wait behind it.
+        """
+        what = {name for name, on in (("acks", acks), ("recvs", recvs), ("reads", reads)) if on}
+        self._holds[qp_num] = self._holds.get(qp_num, frozenset()) | what
+
+    def release(self, qp_num: int | None = None) -> int:
+        """End :meth:`hold` for one QP (``None``: all of them) and deliver what waited, in order
+        (a held READ executes now); returns how many completions and READs were released."""
+        if qp_num is None:
+            self._holds.clear()
+        else:
+            self._holds.pop(qp_num, None)
+        mine = [(q, i) for q, i in self._held if qp_num is None or q.qp_num == qp_num]
+        self._held = [(q, i) for q, i in self._held if not (qp_num is None or q.qp_num == qp_num)]
+        recvs = [(q, c) for q, c in self._held_recvs if qp_num is None or q.qp_num == qp_num]
+        self._held_recvs = [(q, c) for q, c in self._held_recvs if not (qp_num is None or q.qp_num == qp_num)]
+        for qp, _item in mine:
+            qp._held = 0
+        for qp, _c in recvs:
+            qp._held_recvs = 0
+        for qp, item in mine:
+            qp._release_item(item)
+        for qp, c in recvs:
+            if not qp.closed:
+                qp.recv_cq._push(c)
+        return len(mine) + len(recvs)
+
+    def _holding(self, qp: SimQueuePair, what: str) -> bool:
+        held = self._holds.get(qp.qp_num)
+        return held is not None and what in held
 
     def kill_qp(self, qp_num: int) -> None:
         """The QP vanishes as its host would: traffic towards it fails with RETRY_EXC_ERR at the
@@ -432,6 +482,9 @@ class SimFabric:
         if qp is not None and qp._held:
             self._held = [(q, c) for q, c in self._held if q is not qp]
             qp._held = 0
+        if qp is not None and qp._held_recvs:
+            self._held_recvs = [(q, c) for q, c in self._held_recvs if q is not qp]
+            qp._held_recvs = 0
 
     def fail_next(self, qp_num: int, status: int) -> None:
         """The next work request this QP processes fails with ``status`` and the QP goes to ERROR.
@@ -486,11 +539,18 @@ class SimFabric:
 
     def _deliver_send(self, qp: SimQueuePair, c: _Completion) -> None:
         # FIFO per send queue: once one is held, everything after it waits behind it
-        if (self.hold_acks and c.status == _OK) or qp._held:
+        if ((self.hold_acks or self._holding(qp, "acks")) and c.status == _OK) or qp._held:
             self._held.append((qp, c))
             qp._held += 1
         else:
             qp.send_cq._push(c)
+
+    def _deliver_recv(self, qp: SimQueuePair, c: _Completion) -> None:
+        if qp._held_recvs or (self._holding(qp, "recvs") and c.status == _OK):
+            self._held_recvs.append((qp, c))
+            qp._held_recvs += 1
+        else:
+            qp.recv_cq._push(c)
 
 
 # --------------------------------------------------------------------------
@@ -957,7 +1017,8 @@ class SimQueuePair(_SimResource):
         self._recvs: deque[tuple[int, int, int, int]] = deque()  # (wr_id, addr, length, lkey)
         self._sq_posted = 0  # sequence number of the last send WR posted
         self._sq_retired = 0  # ... and of the last one whose slot a polled completion freed
-        self._held = 0  # completions of ours in fabric._held
+        self._held = 0  # completions (and READs) of ours in fabric._held
+        self._held_recvs = 0  # receive completions of ours in fabric._held_recvs
         fab._qps[self.qp_num] = self
         self.context._qps[self.qp_num] = self
 
@@ -1037,9 +1098,12 @@ class SimQueuePair(_SimResource):
             mine = [c for q, c in fab._held if q is self]
             fab._held = [(q, c) for q, c in fab._held if q is not self]
             self._held = 0
-            for c in mine:
-                c.status = WCStatus.WR_FLUSH_ERR
-                self.send_cq._push(c)
+            for item in mine:
+                if isinstance(item, _Work):
+                    self._send_done(item, WCStatus.WR_FLUSH_ERR)
+                else:
+                    item.status = WCStatus.WR_FLUSH_ERR
+                    self.send_cq._push(item)
         recvs, self._recvs = self._recvs, deque()
         for wr_id, _addr, _len, _lkey in recvs:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
@@ -1172,6 +1236,25 @@ class SimQueuePair(_SimResource):
     # the wire: requester side ---------------------------------------------
     def _execute(self, w: _Work) -> None:
         fab = self._fabric
+        if w.op == Opcode.RDMA_READ and fab._holding(self, "reads"):
+            fab._held.append((self, w))  # (a slow response: it runs at release())
+            self._held += 1
+            return
+        self._execute_now(w)
+
+    def _release_item(self, item: _Completion | _Work) -> None:
+        """A held completion or READ, now: a READ runs (or is flushed, if the QP went to ERROR)."""
+        if self._closed:
+            return
+        if isinstance(item, _Completion):
+            self.send_cq._push(item)
+        elif self._state == QPState.ERR:
+            self._send_done(item, WCStatus.WR_FLUSH_ERR)
+        else:
+            self._execute_now(item)
+
+    def _execute_now(self, w: _Work) -> None:
+        fab = self._fabric
         status = fab._fail_next.pop(self.qp_num, _OK)
         if status == _OK and w.length and w.data is None:
             if not fab._local_ok(self.pd, w.lkey, w.addr, w.length, write=w.op == Opcode.RDMA_READ):
@@ -1263,8 +1346,8 @@ class SimQueuePair(_SimResource):
             # a killed QP receives nothing any more; its own teardown still gets its flushes.
             # Like rxe, a receive completed in error (a flush) counts as solicited: it wakes a
             # CQ armed solicited-only (a send completed in error does not)
-            self.recv_cq._push(_Completion(wr_id, status, opcode, byte_len, imm, self.qp_num, src_qp=src_qp,
-                                           solicited=solicited or status != _OK))  # fmt: skip
+            self._fabric._deliver_recv(self, _Completion(wr_id, status, opcode, byte_len, imm, self.qp_num,
+                                                         src_qp=src_qp, solicited=solicited or status != _OK))  # fmt: skip
 
     def close(self) -> None:
         """Destroy the QP: it becomes unknown to the fabric; its held completions are dropped."""
@@ -1279,6 +1362,10 @@ class SimQueuePair(_SimResource):
         if self._held:
             fab._held = [(q, c) for q, c in fab._held if q is not self]
             self._held = 0
+        if self._held_recvs:
+            fab._held_recvs = [(q, c) for q, c in fab._held_recvs if q is not self]
+            self._held_recvs = 0
+        fab._holds.pop(self.qp_num, None)
         self._recvs.clear()
         self._mark_closed()
 
