@@ -935,3 +935,26 @@ def test_the_dask_command_line_on_rdma() -> None:
     assert any("Scheduler at:" in line and address in line for line in logs), "".join(logs[-20:])
     if not rdma_device_present():
         assert any("fell back to TCP" in line for line in logs), "".join(logs[-20:])
+
+
+@gen_test()
+async def test_close_right_after_a_write_delivers_it(kind: Kind) -> None:
+    """A comm writes large frames and closes at once; the peer starts reading late and still gets
+    every message, then the comm's end (tests/test_close.py has the transport's own races)."""
+    a, b = await get_comm_pair(kind.address)
+    payload = np.arange(9 << 20, dtype="u1")  # 9 MiB: over the default rendezvous threshold too
+
+    async def read_late() -> None:
+        await asyncio.sleep(0.2)
+        for i in range(3):
+            msg = await wait_for(b.read(), 30)
+            assert msg["i"] == i and np.array_equal(msg["x"], payload)
+        with pytest.raises(CommClosedError):
+            await wait_for(b.read(), 10)
+
+    reading = asyncio.ensure_future(read_late())
+    for i in range(3):
+        await wait_for(a.write({"i": i, "x": to_serialize(payload)}), 30)
+    await wait_for(a.close(), 30)  # (it sends what the writes queued, then closes)
+    await wait_for(reading, 60)
+    await b.close()

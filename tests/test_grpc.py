@@ -106,3 +106,36 @@ async def test_strict_rdma_without_a_device_is_refused(anyio_backend: Any) -> No
         await aiordma.grpc.start_server(server, "127.0.0.1", 0, transport="rdma")
     with pytest.raises(ValueError):
         aiordma.grpc.Channel(path="/tmp/x.sock")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_server_that_closes_right_after_answering_delivers_the_answer(anyio_backend: Any, kind: str) -> None:
+    """The server writes a large answer and closes its connection at once (``transport.close()``
+    under grpclib, while most of the answer is still on its way); the answer arrives whole."""
+    net = Net(kind)
+    answered = asyncio.Event()
+
+    class Closing(service.Calculator):  # type: ignore[misc,name-defined]
+        async def reverse(self, stream: Any) -> None:
+            await super().reverse(stream)
+            answered.set()
+
+    async with no_fd_leak():
+        server = Server([Closing()], codec=service.RawCodec())
+        listening = await aiordma.grpc.start_server(server, net.host, 0, **net._kw())
+        port = listening.sockets[0].getsockname()[1]
+        try:
+            async with aiordma.grpc.Channel(net.host, port, codec=service.RawCodec(), **net._kw()) as channel:
+                stub = service.CalculatorStub(channel)
+                big = os.urandom(5 << 20)
+                with anyio.fail_after(60):
+                    call = asyncio.ensure_future(stub.Reverse(big))
+                    await answered.wait()
+                    await asyncio.sleep(0.01)  # (grpclib writes the trailers after the handler)
+                    for handler in list(server._handlers):
+                        handler.close()  # each connection's transport.close(), the answer in flight
+                    assert await call == big[::-1]
+        finally:
+            server.close()
+            with anyio.fail_after(20):
+                await server.wait_closed()
