@@ -156,6 +156,41 @@ async def test_streams_across_hosts() -> None:
 
 
 @needs_peer
+@pytest.mark.anyio
+@pytest.mark.parametrize("eof", [0, 1], ids=["close", "eof-then-close"])
+async def test_the_peer_closing_right_after_sending_delivers_everything(eof: int) -> None:
+    """Host a sends 12 MiB (a rendezvous) and a small message, then closes at once; this side
+    starts reading late and must get both, then EOF (tests/test_close.py forces the races)."""
+    size, seed = 12 << 20, 11
+    async with await channel() as ch:
+        await ch.send(b"SENDCLOSE %d %d %d" % (size, seed, eof))
+        await anyio.sleep(0.2)
+        with anyio.fail_after(120):
+            assert await ch.receive() == pattern(size, seed)
+            assert await ch.receive() == b"tail"
+            with pytest.raises(anyio.EndOfStream):
+                await ch.receive()
+
+
+@needs_peer
+@pytest.mark.anyio
+async def test_closing_right_after_sending_delivers_everything_to_the_peer() -> None:
+    """The mirror: this side sends 12 MiB and a small message and closes at once; host a reads
+    late and records what it got before its EOF."""
+    tag = "late-%d" % os.getpid()
+    payload = os.urandom(12 << 20)
+    async with await channel() as ch:
+        await ch.send(b"LATE " + tag.encode())
+        await ch.send(payload)
+        await ch.send(b"tail")
+    import json
+
+    ends = json.loads(await control(b"STATUS " + tag.encode()))
+    digest = hashlib.sha256(payload + b"tail").hexdigest()
+    assert ends == [{"error": None, "detail": f"2 {digest}", "idle": ends[0]["idle"]}], ends
+
+
+@needs_peer
 @pytest.mark.skipif(not ON_THE_BED, reason="raw work requests on an RDMA QP")
 @pytest.mark.anyio
 @pytest.mark.parametrize("fault", ["garbage_payload", "oversized_send", "read_guessed_rkey"])
@@ -627,7 +662,7 @@ def test_twohost_suite_runs_on_the_host() -> None:
                               str(Path(__file__).with_name("test_conformance.py")), str(Path(__file__)), "-k",
                               "not (trio or uvloop)"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
-        assert re.search(r"\b26 passed", out.stdout), out.stdout  # 6 here, 20 of the conformance suite
+        assert re.search(r"\b29 passed", out.stdout), out.stdout  # 9 here, 20 of the conformance suite
         assert peer.wait(30) == 0  # the last test told it to quit
     finally:
         if peer.poll() is None:

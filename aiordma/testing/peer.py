@@ -16,6 +16,11 @@ host's check of the suite itself):
   * ``SINK`` -> takes messages until ``END`` and answers ``<count> <SHA-256 of them all>``;
   * ``SOURCE <n>`` -> sends messages of ``n`` bytes until the connection ends (120 s at most:
     then ``END``), for a test that only receives;
+  * ``SENDCLOSE <n> <seed> <eof>`` -> sends ``n`` bytes (``seed``'s pattern) and ``tail``, then
+    (with ``eof`` 1: after ``send_eof``) closes the connection at once (the close test);
+  * ``LATE <name>`` -> names this connection, waits 0.3 s, then receives until EOF and records
+    ``<count> <SHA-256>`` of what came as its ``detail`` (the close test's mirror: the client
+    closes right after sending);
   * ``TAG <name>`` -> names this connection in the service's record of how connections ended;
     ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
     ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
@@ -98,6 +103,10 @@ async def _run(argv: list[str]) -> str:
     return "ok" if done.returncode == 0 else "error " + done.stdout.decode(errors="replace").strip()
 
 
+class _CloseNow(Exception):
+    """A verb's last act: the service closes this connection in order, at once."""
+
+
 async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes, rest: bytes) -> bool:
     """One request; False when the service is told to quit."""
     if verb == b"ECHO":
@@ -129,6 +138,24 @@ async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes
                 await ch.send(block)
                 rec.last = time.monotonic()
         await ch.send(b"END")
+    elif verb == b"SENDCLOSE":
+        size, seed, eof = (int(x) for x in rest.split())
+        await ch.send(pattern(size, seed))
+        await ch.send(b"tail")
+        if eof:
+            await ch.send_eof()
+        raise _CloseNow  # at once: what was sent is still on its way
+    elif verb == b"LATE":
+        rec.tag = rest.decode()
+        await anyio.sleep(0.3)  # the reader starts late; the client closes right after sending
+        digest, count = hashlib.sha256(), 0
+        try:
+            while True:
+                digest.update(await ch.receive())
+                count += 1
+        except anyio.EndOfStream:
+            rec.detail = f"{count} {digest.hexdigest()}"
+        raise _CloseNow
     elif verb == b"TAG":
         rec.tag = rest.decode()
         await ch.send(b"ok")
@@ -196,6 +223,8 @@ async def _channel(ch: aiordma.Channel, svc: _Service) -> None:
                 verb, _, rest = msg.partition(b" ")
                 if not await _command(svc, rec, ch, verb, rest):
                     return
+    except _CloseNow:
+        pass  # (closed in order by the async with)
     except Exception as exc:  # (recorded for STATUS: how this connection ended)
         error = exc
         if not isinstance(exc, anyio.EndOfStream):  # (a failed test's other half: in the log)
