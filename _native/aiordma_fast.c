@@ -31,7 +31,8 @@ static inline void fast_relax(void)
 
 static inline int active(const struct aiordma_chan *c)
 {
-    return (c->state == AIORDMA_CS_OPEN || c->state == AIORDMA_CS_CLOSING) && c->error == AIORDMA_E_NONE;
+    return (c->state == AIORDMA_CS_OPEN || c->state == AIORDMA_CS_CLOSING) && c->error == AIORDMA_E_NONE
+           && !c->quiet;
 }
 
 static void fail(struct aiordma_chan *c, uint32_t code, uint32_t arg, uint64_t wr_id)
@@ -263,6 +264,8 @@ int aiordma_chan_credit(struct aiordma_chan *c)
 
 int aiordma_chan_marker(struct aiordma_chan *c, uint32_t kind)
 {
+    if (c->quiet)
+        return -ENOTCONN;
     if (c->sq_used >= c->sq_depth)
         return -EAGAIN;
     uint64_t seq = c->seq + 1;

@@ -178,6 +178,10 @@ struct aiordma_chan {
      * entries (each one-sided WR holds a send-queue entry until it completes, so they fit) */
     uint64_t *os_done;
     uint32_t os_n;
+
+    /* 1: post nothing more (the peer said goodbye: its QP is going away); receives are still
+     * processed and delivered */
+    uint32_t quiet;
 };
 
 /* One run of delivered bytes: deliv[offset:offset+length] belongs to chans[cid]

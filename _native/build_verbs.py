@@ -242,6 +242,7 @@ struct aiordma_chan {
     uint8_t *rec_inline;
     uint32_t gen;
     uint64_t *os_done; uint32_t os_n;
+    uint32_t quiet;
 };
 struct aiordma_delivery { uint32_t cid; uint32_t early; uint64_t offset; uint64_t length; };
 struct aiordma_wake_result {

@@ -32,6 +32,8 @@ from ._core import Core, Link
 from ._memory import RegisteredMemory
 from ._onesided import RemoteBuffer
 from ._errors import HandshakeError, RDMAUnavailableError
+from ._accept import Acceptor
+from ._admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
 from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
 from ._links import DEFAULT_KEEPALIVE, AsyncioLink, StreamLink, set_keepalive
 from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_auth, resolve_transport, server_handshake
@@ -307,28 +309,19 @@ async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = 
     """Run a server's handshake; a client that fails it is logged and dropped (False).
 
     ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
-    budget = opts.budget
-    if budget is not None:
-        refusal = budget.begin_handshake()
-        if refusal is not None:
-            log.warning("aiordma: refused a client: %s", refusal)
-            core.closed = True
-            with anyio.CancelScope(shield=True):
-                await core.link.aclose(core.proto.close(CloseCode.REFUSED, refusal))
-            return False
     set_keepalive(core.link, opts.keepalive)
     try:
-        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend, budget=budget)
+        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend,
+                               budget=opts.budget)  # fmt: skip
     except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
         log.info("aiordma: dropped a client during the handshake: %s", exc)
+        if isinstance(exc, HandshakeError):
+            core.on_error(exc)  # (its CLOSE tells the client why: a timeout, a mismatch)
         await _discard(core)
         return False
     except BaseException:
         await _discard(core)
         raise
-    finally:
-        if budget is not None:
-            budget.end_handshake()
     if hold is not None and core.transport == "rdma":
         hold.keep(core.link)
     return True
@@ -427,80 +420,9 @@ async def connect_channel(
 
 
 # -- listeners -------------------------------------------------------------------
-
-
-class _Acceptor:
-    """Accepts TCP connections and turns each into a Link (backend specific)."""
-
-    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        raise NotImplementedError
-
-    def addresses(self) -> list[Any]:
-        raise NotImplementedError
-
-
-class _AsyncioAcceptor(_Acceptor):
-    def __init__(self, server: asyncio.Server, queue: asyncio.Queue[AsyncioLink]) -> None:
-        self._server = server
-        self._queue = queue
-
-    @classmethod
-    async def create(cls, host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _AsyncioAcceptor:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[AsyncioLink] = asyncio.Queue()
-        server = await loop.create_server(
-            lambda: AsyncioLink(opts.protocol(Role.SERVER, mode, loop.time()), loop, on_made=queue.put_nowait),
-            host,
-            port,
-            ssl=opts.ssl,
-            backlog=backlog,
-        )
-        return cls(server, queue)
-
-    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
-        while True:
-            link: Link = await self._queue.get()
-            task_group.start_soon(handle, link)
-
-    async def aclose(self) -> None:
-        self._server.close()  # closes the listening sockets now
-        while not self._queue.empty():
-            self._queue.get_nowait().abort()
-
-    def addresses(self) -> list[Any]:
-        return [sock.getsockname() for sock in self._server.sockets]
-
-
-class _AnyioAcceptor(_Acceptor):
-    def __init__(self, listener: Listener[Any], mode: Mode, opts: Options, addresses: list[Any]) -> None:
-        self._listener = listener
-        self._mode = mode
-        self._opts = opts
-        self._addresses = addresses
-
-    @classmethod
-    async def create(cls, host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _AnyioAcceptor:
-        tcp = await anyio.create_tcp_listener(local_host=host, local_port=port, backlog=backlog)
-        addresses = [lst.extra(SocketAttribute.local_address) for lst in tcp.listeners]
-        listener: Listener[Any] = tcp
-        if opts.ssl is not None:
-            listener = TLSListener(tcp, opts.ssl, standard_compatible=False)
-        return cls(listener, mode, opts, addresses)
-
-    async def serve(self, handle: Callable[[Link], Coroutine[Any, Any, None]], task_group: TaskGroup) -> None:
-        async def accepted(stream: ByteStream) -> None:
-            await handle(StreamLink(stream, self._opts.protocol(Role.SERVER, self._mode, anyio.current_time())))
-
-        await self._listener.serve(accepted, task_group)
-
-    async def aclose(self) -> None:
-        await self._listener.aclose()
-
-    def addresses(self) -> list[Any]:
-        return list(self._addresses)
+#
+# Accepting and admission (who gets a handshake, when) are aiordma._accept's and
+# aiordma._admission's: the same for these listeners and for aiordma.asyncio's servers.
 
 
 E = TypeVar("E", Stream, Channel)
@@ -509,7 +431,7 @@ E = TypeVar("E", Stream, Channel)
 class _BaseListener(Generic[E]):
     _wrap: Callable[[Core], E]
 
-    def __init__(self, acceptor: _Acceptor, opts: Options) -> None:
+    def __init__(self, acceptor: Acceptor, opts: Options) -> None:
         self._acceptor = acceptor
         self._opts = opts
         self._closed = False
@@ -537,15 +459,17 @@ class _BaseListener(Generic[E]):
         if self._closed:
             raise anyio.ClosedResourceError
 
-        async def handle(link: Link) -> None:
-            if await accept_handshake(link.core, self._opts, self._devices):
-                await handler(self._wrap(link.core))
+        async def handle(core: Core) -> None:
+            await handler(self._wrap(core))
+
+        async def handshake(core: Core) -> bool:
+            return await accept_handshake(core, self._opts, self._devices)
 
         if task_group is None:
             async with anyio.create_task_group() as tg:
-                await self._acceptor.serve(handle, tg)
+                await self._acceptor.serve(handle, tg.start_soon, handshake)
         else:
-            await self._acceptor.serve(handle, task_group)
+            await self._acceptor.serve(handle, task_group.start_soon, handshake)
 
     async def aclose(self) -> None:
         """Stop listening (connections already handed out stay open)."""
@@ -583,11 +507,27 @@ class ChannelListener(_BaseListener[Channel], Listener[Channel]):
         return self._listener_attributes()
 
 
-async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options, backlog: int) -> _Acceptor:
+async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options, admission: AdmissionOptions) -> Acceptor:
     local_offer(opts.transport, "server", tls=opts.ssl is not None, backend=opts.backend)  # strict: fail now
-    if running_on_asyncio():
-        return await _AsyncioAcceptor.create(host, port, mode, opts, backlog)
-    return await _AnyioAcceptor.create(host, port, mode, opts, backlog)
+    return await Acceptor.create(host, port, mode, opts, backlog=admission.backlog,
+                                 max_handshakes=admission.max_handshakes, per_address=admission.per_address,
+                                 hello_timeout=admission.hello_timeout)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AdmissionOptions:
+    """A listener's admission settings (see :mod:`aiordma._admission`)."""
+
+    backlog: int = DEFAULT_BACKLOG
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
+    per_address: int | None = None
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.backlog < 1 or self.max_handshakes < 1 or (self.per_address is not None and self.per_address < 1):
+            raise ValueError("backlog, max_handshakes and max_handshakes_per_address must be at least 1")
+        if not self.hello_timeout > 0:
+            raise ValueError("hello_timeout must be a positive number of seconds")
 
 
 async def create_listener(
@@ -596,12 +536,14 @@ async def create_listener(
     *,
     transport: str | None = None,
     ssl: _ssl.SSLContext | None = None,
-    backlog: int = 100,
+    backlog: int = DEFAULT_BACKLOG,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_handshakes_per_address: int | None = None,
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
 ) -> StreamListener:
@@ -609,15 +551,24 @@ async def create_listener(
 
     With ``transport="rdma"`` it raises :class:`~aiordma.RDMAUnavailableError`
     at once when this host cannot do RDMA, and refuses clients that cannot.
+
+    Admission (no client is refused for a burst): at most ``max_handshakes`` handshakes run at
+    once (``max_handshakes_per_address`` for one peer address, default half of it); the others
+    wait -- up to ``backlog`` accepted, then in the kernel's listen backlog of that size.  A
+    connection that has not sent its HELLO within ``hello_timeout`` seconds is dropped, and so is
+    the oldest silent one when a client that spoke needs its place.  ``max_rdma_connections`` and
+    ``max_pinned_bytes`` bound what RDMA clients may pin (defaults: half of the process's pinned
+    limit, RLIMIT_MEMLOCK); beyond them a client gets TCP, with the limit in the reason.
     """
     opts = make_options(
         transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
         backend=rdma_backend,
         auth=auth,
         keepalive=keepalive,
-        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
+        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
     )
-    return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, backlog), opts)
+    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
+    return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, admission), opts)
 
 
 async def create_channel_listener(
@@ -626,13 +577,15 @@ async def create_channel_listener(
     *,
     transport: str | None = None,
     ssl: _ssl.SSLContext | None = None,
-    backlog: int = 100,
+    backlog: int = DEFAULT_BACKLOG,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_handshakes_per_address: int | None = None,
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
 ) -> ChannelListener:
@@ -642,6 +595,7 @@ async def create_channel_listener(
         backend=rdma_backend,
         auth=auth,
         keepalive=keepalive,
-        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
+        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
     )
-    return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, backlog), opts)
+    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
+    return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, admission), opts)

@@ -115,6 +115,11 @@ def set_pinned_limit(nbytes: int | None) -> None:
     _state.limit = nbytes
 
 
+def pinned_limit() -> int:
+    """The pinned-bytes limit in force (:func:`set_pinned_limit`, else the default)."""
+    return _state.get_limit()
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryStats:
     """What :func:`memory_stats` reports."""

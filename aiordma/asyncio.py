@@ -27,7 +27,9 @@ from typing import Any
 
 import anyio
 
-from ._api import Options, _open, accept_handshake, make_options
+from ._admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
+from ._accept import Acceptor
+from ._api import AdmissionOptions, Options, _make_acceptor, _open, accept_handshake, make_options
 from ._core import Core, Link
 from ._errors import LocalProtocolError
 from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
@@ -359,42 +361,80 @@ class Server(asyncio.AbstractServer):
     ``close()`` stops listening; ``wait_closed()`` then waits for the
     handlers of accepted connections to finish.  A handler's exception is
     reported through the loop's exception handler (as asyncio does) and its
-    connection is closed.
+    connection is closed.  Accepting and admission are those of every aiordma listener
+    (:mod:`aiordma._accept`): no client is refused for a burst.
     """
 
-    def __init__(self, server: asyncio.Server, tasks: set[asyncio.Task[None]], devices: DeviceHold,
+    def __init__(self, acceptor: Acceptor, handle: Callable[[Core], Coroutine[Any, Any, None]], opts: Options,
                  transports: set[Transport] | None = None) -> None:  # fmt: skip
-        self._server = server
-        self._tasks = tasks
-        self._devices = devices
+        self._acceptor = acceptor
+        self._handle = handle
+        self._opts = opts
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._devices = DeviceHold()
         self._transports = transports if transports is not None else set()
+        self._serving: asyncio.Task[None] | None = None
+        self._closed = False
+        self._forever: asyncio.Future[None] | None = None
+
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        task = self._loop.create_task(fn(*args))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
+
+    async def _handshake(self, core: Core) -> bool:
+        return await accept_handshake(core, self._opts, self._devices)
 
     @property
     def sockets(self) -> tuple[Any, ...]:
-        return tuple(self._server.sockets)
+        return () if self._closed else tuple(self._acceptor.sockets)
 
     @property
     def addresses(self) -> list[Any]:
-        return [sock.getsockname() for sock in self._server.sockets]
+        return [] if self._closed else self._acceptor.addresses()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._server.get_loop()
+        return self._loop
 
     def is_serving(self) -> bool:
-        return self._server.is_serving()
+        return self._serving is not None and not self._closed
 
     async def start_serving(self) -> None:
-        await self._server.start_serving()
+        if self._closed:
+            raise RuntimeError(f"server {self!r} is closed")
+        if self._serving is None:
+            self._serving = self._loop.create_task(self._acceptor.serve(self._handle, self._spawn, self._handshake))
+            self._tasks.add(self._serving)
+            self._serving.add_done_callback(self._done)
+        await asyncio.sleep(0)
 
     async def serve_forever(self) -> None:
-        await self._server.serve_forever()
+        if self._forever is not None:
+            raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
+        await self.start_serving()
+        self._forever = self._loop.create_future()
+        try:
+            await self._forever
+        finally:
+            self.close()
+            self._forever = None
 
     def close(self) -> None:
-        self._server.close()
+        if self._closed:
+            return
+        self._closed = True
+        self._acceptor.close_nowait()
         self._devices.release()
+        if self._forever is not None and not self._forever.done():
+            self._forever.cancel()
 
     async def wait_closed(self) -> None:
-        await self._server.wait_closed()
         while self._tasks:
             await asyncio.wait(set(self._tasks))
 
@@ -423,13 +463,15 @@ async def start_server(
     transport: str | None = None,
     ssl: _ssl.SSLContext | None = None,
     limit: int = _DEFAULT_LIMIT,
-    backlog: int = 100,
+    backlog: int = DEFAULT_BACKLOG,
     start_serving: bool = True,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_handshakes_per_address: int | None = None,
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
 ) -> Server:
@@ -440,14 +482,12 @@ async def start_server(
         backend=rdma_backend,
         auth=auth,
         keepalive=keepalive,
-        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
+        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
     )
+    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
     loop = asyncio.get_running_loop()
 
-    async def serve_one(link: AsyncioLink, devices: DeviceHold) -> None:
-        core = link.core
-        if not await accept_handshake(core, opts, devices):
-            return
+    async def serve_one(core: Core) -> None:
         reader, writer = _pair(core, limit)
         try:
             result = client_connected_cb(reader, writer)
@@ -455,50 +495,32 @@ async def start_server(
                 await result
         except Exception as exc:
             loop.call_exception_handler(
-                {"message": "Unhandled exception in client_connected_cb", "exception": exc, "transport": link.transport}
+                {"message": "Unhandled exception in client_connected_cb", "exception": exc,
+                 "transport": core.link.transport}  # fmt: skip
             )
             writer.close()
 
-    return await _listen(opts, host, port, serve_one, backlog=backlog, start_serving=start_serving)
+    return await _listen(opts, host, port, serve_one, admission=admission, start_serving=start_serving)
 
 
 async def _listen(
     opts: Options,
     host: str | None,
     port: int | None,
-    serve_one: Callable[[AsyncioLink, DeviceHold], Coroutine[Any, Any, None]],
+    serve_one: Callable[[Core], Coroutine[Any, Any, None]],
     *,
-    backlog: int,
+    admission: AdmissionOptions,
     start_serving: bool,
     transports: set[Transport] | None = None,
 ) -> Server:
-    """A listening :class:`Server` whose accepted TCP connections each get a task running
-    ``serve_one(link, devices)`` (the handshake, then the front end's part); a task's failure
-    goes to the loop's exception handler."""
-    local_offer(opts.transport, "server", tls=opts.ssl is not None, backend=opts.backend)  # strict policy: fail now
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
-    devices = DeviceHold()
-
-    def done(task: asyncio.Task[None]) -> None:
-        tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
-
-    def on_made(link: AsyncioLink) -> None:
-        task = loop.create_task(serve_one(link, devices))
-        tasks.add(task)
-        task.add_done_callback(done)
-
-    server = await loop.create_server(
-        lambda: AsyncioLink(opts.protocol(Role.SERVER, Mode.STREAM, loop.time()), loop, on_made=on_made),
-        host,
-        port or 0,
-        ssl=opts.ssl,
-        backlog=backlog,
-        start_serving=start_serving,
-    )
-    return Server(server, tasks, devices, transports)
+    """A listening :class:`Server` whose admitted connections each get a task: the handshake,
+    then ``serve_one(core)`` (the front end's part); a task's failure goes to the loop's
+    exception handler."""
+    acceptor = await _make_acceptor(host, port or 0, Mode.STREAM, opts, admission)
+    server = Server(acceptor, serve_one, opts, transports)
+    if start_serving:
+        await server.start_serving()
+    return server
 
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
@@ -549,13 +571,15 @@ async def create_server(
     *,
     transport: str | None = None,
     ssl: _ssl.SSLContext | None = None,
-    backlog: int = 100,
+    backlog: int = DEFAULT_BACKLOG,
     start_serving: bool = True,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    max_handshakes_per_address: int | None = None,
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
 ) -> Server:
@@ -569,15 +593,13 @@ async def create_server(
         backend=rdma_backend,
         auth=auth,
         keepalive=keepalive,
-        budget=ListenerBudget(max_handshakes, max_rdma_connections, max_pinned_bytes),
+        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
     )
+    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
     loop = asyncio.get_running_loop()
     transports: set[Transport] = set()
 
-    async def handshake(link: AsyncioLink, devices: DeviceHold) -> None:
-        core = link.core
-        if not await accept_handshake(core, opts, devices):
-            return
+    async def handshake(core: Core) -> None:
         try:
             protocol = protocol_factory()
         except Exception as exc:
@@ -592,5 +614,5 @@ async def create_server(
             loop.call_exception_handler({"message": "connection_made() failed", "exception": exc, "transport": tr})
             tr.abort()
 
-    return await _listen(opts, host, port, handshake, backlog=backlog, start_serving=start_serving,
+    return await _listen(opts, host, port, handshake, admission=admission, start_serving=start_serving,
                          transports=transports)  # fmt: skip

@@ -1,8 +1,11 @@
-"""A listener's limits: handshakes in progress, RDMA connections and their pinned ring bytes.
+"""A listener's limits: admission (who gets a handshake, when), RDMA connections and their
+pinned ring bytes.
 
-The budget alone (hypothesis: any sequence of calls stays within its limits and returns to zero),
-then real listeners over TCP and the simulated RC wire: a flood of handshakes that never finish
-does not keep a well-behaved client out once the limit frees, an RDMA connection over the limit
+The budget and the admission alone (hypothesis: any sequence of events keeps their bounds; a
+client that spoke is never kept out by a silent one), then real listeners under asyncio,
+uvloop and trio: 1000 clients at once are all served; 300 silent sockets opened again and
+again never delay a real client past 1 s; a silent connection goes after ``hello_timeout``;
+one peer address holds at most its share of the handshakes; an RDMA connection over the limit
 gets TCP with the limit in its reason (or a refusal under ``transport="rdma"``), and the budget
 comes back when a connection's teardown is done.
 """
@@ -18,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aiordma
+from aiordma._admission import Admission
 from aiordma._limits import ListenerBudget, ring_bytes
 from aiordma.testing import SimFabric, SimProvider
 
@@ -27,27 +31,15 @@ pytestmark = pytest.mark.anyio
 
 
 @given(
-    st.integers(1, 4),
     st.one_of(st.none(), st.integers(0, 3)),
     st.one_of(st.none(), st.integers(0, 10)),
-    st.lists(st.tuples(st.sampled_from(["hs", "end", "rdma", "free"]), st.integers(1, 4)), max_size=60),
+    st.lists(st.tuples(st.sampled_from(["rdma", "free"]), st.integers(1, 4)), max_size=60),
 )
-def test_the_budget_never_exceeds_its_limits(hs: int, conns: int | None, pinned: int | None, ops: list[tuple[str, int]]) -> None:
-    b = ListenerBudget(hs, conns, pinned)
-    open_hs = 0
+def test_the_budget_never_exceeds_its_limits(conns: int | None, pinned: int | None, ops: list[tuple[str, int]]) -> None:
+    b = ListenerBudget(conns, pinned if pinned is not None else 10)
     releases: list[Any] = []
     for op, n in ops:
-        if op == "hs":
-            refusal = b.begin_handshake()
-            assert (refusal is None) == (open_hs < hs)
-            if refusal is None:
-                open_hs += 1
-            else:
-                assert f"max_handshakes={hs}" in refusal
-        elif op == "end" and open_hs:
-            b.end_handshake()
-            open_hs -= 1
-        elif op == "rdma":
+        if op == "rdma":
             got = b.reserve_rdma(n)
             if isinstance(got, str):
                 assert "max_rdma_connections" in got or "max_pinned_bytes" in got
@@ -57,9 +49,8 @@ def test_the_budget_never_exceeds_its_limits(hs: int, conns: int | None, pinned:
             release = releases.pop(0)
             release()
             release()  # idempotent
-        assert b.handshakes == open_hs <= hs
         assert conns is None or b.rdma_connections <= conns
-        assert pinned is None or b.pinned_bytes <= pinned
+        assert b.pinned_bytes <= (pinned if pinned is not None else 10)
         assert b.rdma_connections == len(releases)
     for release in releases:
         release()
@@ -68,42 +59,270 @@ def test_the_budget_never_exceeds_its_limits(hs: int, conns: int | None, pinned:
 
 def test_bad_limits() -> None:
     with pytest.raises(ValueError):
-        ListenerBudget(0)
+        ListenerBudget(-1)
     with pytest.raises(ValueError):
-        ListenerBudget(1, -1)
+        ListenerBudget(None, -1)
+    with pytest.raises(ValueError):
+        Admission(0, 1, 1)
 
 
-async def test_stalled_handshakes_hold_only_their_slots(anyio_backend: Any) -> None:
-    async with no_fd_leak():
-        lst = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_handshakes=2,
-                                                    handshake_timeout=1.0)  # fmt: skip
-        async with lst, anyio.create_task_group() as tg:
+def test_the_rdma_limits_are_finite_by_default_and_follow_the_pinned_limit() -> None:
+    ring = ring_bytes(aiordma.RdmaConfig())
+    before = aiordma.memory_stats().limit
+    try:
+        aiordma.set_pinned_limit(100 * ring)
+        assert ListenerBudget().limits(ring) == (50, 50 * ring)  # half of what the process may pin
+        b = ListenerBudget()
+        releases = [b.reserve_rdma(ring) for _ in range(50)]
+        assert all(callable(r) for r in releases)
+        refusal = b.reserve_rdma(ring)
+        assert isinstance(refusal, str) and "max_pinned_bytes=" in refusal
+        for release in releases:
+            release()  # type: ignore[operator]
+    finally:
+        aiordma.set_pinned_limit(before)
 
-            async def handler(ch: aiordma.Channel) -> None:
-                async with ch:
-                    await ch.send(b"welcome")
 
-            tg.start_soon(lst.serve, handler)
-            # two clients that connect and say nothing: they hold both handshake slots
-            stalled = [socket.create_connection(("127.0.0.1", lst.port)) for _ in range(2)]
+# -- admission, sans I/O ---------------------------------------------------------------------------
+
+
+@given(
+    st.integers(1, 4), st.integers(1, 4), st.integers(1, 6),
+    st.lists(st.tuples(st.sampled_from(["accept", "speak", "hello", "finish"]), st.integers(0, 30),
+                       st.sampled_from(["a", "b", "c"])), max_size=80),
+)  # fmt: skip
+def test_admission_keeps_its_bounds_and_never_strands_a_client_that_spoke(
+    limit: int, per_address: int, pending: int, ops: list[tuple[str, int, str]]
+) -> None:
+    adm = Admission(limit, per_address, pending)
+    hello: dict[int, bool] = {}
+    alive: set[int] = set()
+    started: set[int] = set()
+    next_key = 0
+
+    def apply(decision: Any) -> None:
+        for key in decision.drop:
+            assert key in alive
+            alive.discard(key)
+            started.discard(key)
+        for key in decision.start:
+            assert key in alive and adm.state(key) == "handshaking"
+            started.add(key)
+            adm.started(key, lambda key=key: hello.get(key, False))
+
+    for op, pick, address in ops:
+        live = sorted(alive)
+        if op == "accept":
+            if not adm.may_accept():
+                continue  # (the kernel's backlog queues it)
+            key, next_key = next_key, next_key + 1
+            alive.add(key)
+            apply(adm.accepted(key, address))
+        elif live:
+            key = live[pick % len(live)]
+            if op == "speak":
+                apply(adm.spoke(key))
+            elif op == "hello" and key in started:
+                hello[key] = True
+            elif op == "finish":
+                alive.discard(key)
+                started.discard(key)
+                apply(adm.finished(key))
+        states = {k: adm.state(k) for k in alive}
+        running = [k for k, v in states.items() if v == "handshaking"]
+        assert len(running) == adm.handshaking <= limit
+        assert adm.waiting == len(alive) - len(running) <= pending
+        for addr in "abc":
+            assert sum(1 for k in running if adm._entries[k].address == addr) <= per_address
+        # a client that spoke waits only while every slot it could take holds a client that spoke too
+        for k, v in states.items():
+            if v == "ready":
+                addr = adm._entries[k].address
+                same = [r for r in running if adm._entries[r].address == addr]
+                full = len(same) >= per_address or len(running) >= limit
+                assert full, f"{k} waits with a free slot"
+                blocking = same if len(same) >= per_address else running
+                assert all(hello.get(r, False) for r in blocking), "a silent handshake keeps a client that spoke out"
+
+
+# -- admission, real listeners ----------------------------------------------------------------------
+
+
+async def echo_server(**kw: Any) -> Any:
+    return await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", **kw)
+
+
+async def serve_echo(lst: Any, tg: Any) -> None:
+    async def handler(ch: aiordma.Channel) -> None:
+        async with ch:
             try:
-                await anyio.sleep(0.2)
-                with anyio.fail_after(5), pytest.raises(aiordma.HandshakeError, match="max_handshakes=2"):
-                    await aiordma.connect_channel("127.0.0.1", lst.port, transport="tcp")
-                # their handshakes time out (1 s): the slots free, a real client gets in
-                with anyio.fail_after(10):
-                    while True:
+                while True:
+                    await ch.send(await ch.receive())
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                pass
+
+    tg.start_soon(lst.serve, handler)
+
+
+async def one_echo(port: int) -> None:
+    ch = await aiordma.connect_channel("127.0.0.1", port, transport="tcp")
+    async with ch:
+        await ch.send(b"hi")
+        assert await ch.receive() == b"hi"
+
+
+async def test_a_thousand_clients_at_once_are_all_served(anyio_backend: Any) -> None:
+    """A default listener; 1000 clients connect at the same moment: none is refused."""
+    errors: list[BaseException] = []
+    async with no_fd_leak(settle=5):
+        async with await echo_server() as lst, anyio.create_task_group() as tg:
+            await serve_echo(lst, tg)
+
+            async def client() -> None:
+                try:
+                    await one_echo(lst.port)
+                except Exception as exc:  # noqa: BLE001 - counted below
+                    errors.append(exc)
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as clients:
+                    for _ in range(1000):
+                        clients.start_soon(client)
+            tg.cancel_scope.cancel()
+    assert not errors, f"{len(errors)} of 1000 failed, e.g. {errors[0]!r}"
+
+
+async def test_silent_sockets_never_keep_a_real_client_out(anyio_backend: Any) -> None:
+    """300 sockets that never speak, closed and opened again every 2 s for 20 s; meanwhile a real
+    client's connect, handshake and one echo take under 1 s, every time."""
+    async with no_fd_leak(settle=5):
+        async with await echo_server() as lst, anyio.create_task_group() as tg:
+            await serve_echo(lst, tg)
+            worst = 0.0
+            silent: list[socket.socket] = []
+            stop = anyio.current_time() + 20
+            try:
+                while anyio.current_time() < stop:
+                    for sock in silent:
+                        sock.close()
+                    silent = []
+                    for _ in range(300):
+                        sock = socket.socket()
+                        sock.setblocking(False)
                         try:
-                            ch = await aiordma.connect_channel("127.0.0.1", lst.port, transport="tcp")
-                        except aiordma.HandshakeError:
-                            await anyio.sleep(0.1)
-                            continue
-                        break
-                async with ch:
-                    assert await ch.receive() == b"welcome"
+                            sock.connect(("127.0.0.1", lst.port))
+                        except BlockingIOError:
+                            pass
+                        silent.append(sock)
+                    round_end = anyio.current_time() + 2
+                    while anyio.current_time() < round_end:
+                        started = anyio.current_time()
+                        with anyio.fail_after(5):
+                            await one_echo(lst.port)
+                        worst = max(worst, anyio.current_time() - started)
+                        await anyio.sleep(0.25)
             finally:
-                for sock in stalled:
+                for sock in silent:
                     sock.close()
+            tg.cancel_scope.cancel()
+    assert worst < 1.0, f"a real client took {worst:.2f} s"
+
+
+async def test_a_silent_connection_is_dropped_after_the_hello_timeout(anyio_backend: Any) -> None:
+    async with no_fd_leak():
+        async with await echo_server(hello_timeout=0.3) as lst, anyio.create_task_group() as tg:
+            await serve_echo(lst, tg)
+            for first in (b"", b"AIO"):  # silent; a few bytes of the magic, then silent
+                with socket.create_connection(("127.0.0.1", lst.port)) as sock:
+                    if first:
+                        sock.sendall(first)
+                    started = anyio.current_time()
+                    # the server closes it: EOF (or a reset) on our side
+                    got = await anyio.to_thread.run_sync(_recv_until_closed, sock)
+                    took = anyio.current_time() - started
+                    assert 0.2 < took < 3, f"the silent connection stayed {took:.2f} s"
+                    assert got == b"" or b"HELLO did not come within 0.3 s" in got, got  # (a CLOSE that says why)
+            await one_echo(lst.port)
+            assert lst._acceptor.admission.dropped_silent == 1  # (the one that never spoke; the other: its HELLO)
+            tg.cancel_scope.cancel()
+
+
+def _recv_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset ends it too)."""
+    sock.settimeout(10)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+async def test_one_address_cannot_take_every_handshake_slot(anyio_backend: Any) -> None:
+    """Clients from 127.0.0.2 that complete their HELLO and then stall (the listener has a key;
+    they never answer its challenge) hold at most that address's share of the handshakes; a
+    client from another address gets in at once."""
+    from aiordma._protocol import Connection, Mode, Role
+
+    async with no_fd_leak(settle=5):
+        async with await aiordma.create_channel_listener(
+            "127.0.0.1", 0, transport="tcp", auth=b"k", max_handshakes=4, max_handshakes_per_address=2
+        ) as lst, anyio.create_task_group() as tg:  # fmt: skip
+            await serve_echo(lst, tg)
+            stallers = []
+            try:
+                for _ in range(6):
+                    sock = socket.socket()
+                    sock.bind(("127.0.0.2", 0))
+                    sock.connect(("127.0.0.1", lst.port))
+                    sock.sendall(Connection(Role.CLIENT, Mode.MESSAGES, now=0.0, auth_key=b"k").send_hello())
+                    stallers.append(sock)
+                adm = lst._acceptor.admission
+                with anyio.fail_after(5):
+                    while adm.handshaking < 2:
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.2)
+                assert adm.handshaking == 2  # 127.0.0.2's share; its other four wait, not refused
+                started = anyio.current_time()
+                with anyio.fail_after(5):
+                    async with await aiordma.connect_channel("127.0.0.1", lst.port, transport="tcp", auth=b"k") as ch:
+                        await ch.send(b"hi")
+                        assert await ch.receive() == b"hi"
+                assert anyio.current_time() - started < 1
+            finally:
+                for sock in stallers:
+                    sock.close()
+            tg.cancel_scope.cancel()
+
+
+async def test_a_tls_handshake_counts_and_has_a_deadline(anyio_backend: Any) -> None:
+    """A TLS client that sends one byte of its ClientHello and stalls holds a handshake slot only
+    until ``hello_timeout``; a real TLS client gets in meanwhile (the silent one is dropped)."""
+    trustme = pytest.importorskip("trustme")
+    import ssl
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with no_fd_leak(settle=5):
+        async with await aiordma.create_channel_listener(
+            "127.0.0.1", 0, ssl=server_ctx, max_handshakes=1, hello_timeout=0.5
+        ) as lst, anyio.create_task_group() as tg:  # fmt: skip
+            await serve_echo(lst, tg)
+            with socket.create_connection(("127.0.0.1", lst.port)) as sock:
+                sock.sendall(b"\x16")  # the first byte of a TLS record; then nothing
+                adm = lst._acceptor.admission
+                with anyio.fail_after(5):
+                    while adm.handshaking < 1:
+                        await anyio.sleep(0.01)
+                with anyio.fail_after(5):
+                    async with await aiordma.connect_channel("127.0.0.1", lst.port, ssl=client_ctx) as ch:
+                        await ch.send(b"hi")
+                        assert await ch.receive() == b"hi"
+                assert b"HELLO" not in await anyio.to_thread.run_sync(_recv_until_closed, sock)  # (TLS: closed)
             tg.cancel_scope.cancel()
 
 

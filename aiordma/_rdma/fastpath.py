@@ -239,6 +239,15 @@ class NativeSession:
     def max_inline(self) -> int:
         return int(self.c.max_inline)
 
+    @property
+    def quiet(self) -> bool:
+        """Post nothing more (the peer said goodbye); receives are still delivered."""
+        return bool(self.c.quiet)
+
+    @quiet.setter
+    def quiet(self, value: bool) -> None:
+        self.c.quiet = int(value)
+
     # -- life cycle ------------------------------------------------------------
 
     def fail(self, exc: BaseException) -> None:

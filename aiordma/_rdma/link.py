@@ -533,6 +533,9 @@ class RdmaLink(Link):
         """The peer closed in order: its CLOSE is in our receive queue (its completion came back to
         it), perhaps not polled yet.  Wait for it over RDMA (bounded), never fail for the TCP end."""
         self._peer_goodbye = True
+        self._probing = False  # (its QP is going away: a probe, a credit would only fail)
+        if self.session is not None:
+            self.session.quiet = True
         core = self.core
         if self.device is not None and not self.device.closed:
             self.device.poller.poll_now()

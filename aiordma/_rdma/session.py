@@ -199,6 +199,8 @@ class RdmaSession:
         self._probe_seq = -1
         self._deferred: list[tuple[int, int, int, int, int, int]] = []
         self._need_fence = False
+        #: post nothing more (the peer said goodbye: its QP is going away); receives go on
+        self.quiet = False
 
     # -- set-up ------------------------------------------------------------------
 
@@ -303,7 +305,7 @@ class RdmaSession:
     def flush(self) -> list[SendWork]:
         """The sends that may be posted now: credit messages due, then the backlog."""
         state = self.state
-        if state is not LinkState.OPEN and state is not LinkState.CLOSING and state is not LinkState.LINGER:
+        if (state is not LinkState.OPEN and state is not LinkState.CLOSING and state is not LinkState.LINGER) or self.quiet:
             return []
         credits = self.credits
         assert credits is not None
