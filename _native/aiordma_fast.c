@@ -307,6 +307,20 @@ int64_t aiordma_chan_onesided(struct aiordma_chan *c, uint32_t opcode, uint64_t 
     return (int64_t)seq;
 }
 
+int64_t aiordma_chan_reserve(struct aiordma_chan *c, uint64_t *wr_id)
+{
+    if (!active(c) || !c->started)
+        return -ENOTCONN;
+    if (c->sq_used >= c->sq_depth)
+        return -EAGAIN;
+    uint64_t seq = c->seq + 1;
+    *wr_id = send_wr_id(c, AIORDMA_KIND_ONESIDED, seq);
+    c->seq = seq;
+    c->run = 0; /* (signaled) */
+    push_outstanding(c, seq, 1, AIORDMA_SLOT_ONESIDED);
+    return (int64_t)seq;
+}
+
 /* Post the receives queued in c->pend (one linked list, one call). */
 int aiordma_chan_flush_reposts(struct aiordma_chan *c)
 {

@@ -214,6 +214,10 @@ int aiordma_chan_marker(struct aiordma_chan *c, uint32_t kind);
  * -errno (the chan failed).  Bounds and keys are the caller's to check first. */
 int64_t aiordma_chan_onesided(struct aiordma_chan *c, uint32_t opcode, uint64_t laddr, uint32_t length,
                               uint32_t lkey, uint64_t raddr, uint32_t rkey);
+/* Reserve a send-queue entry for a signaled work request the caller posts itself (a BIND_MW):
+ * accounted as a one-sided WR (its completion appears in os_done).  Returns its sequence number
+ * (> 0) and writes the wr_id to post it with, or -EAGAIN (send queue full), -ENOTCONN. */
+int64_t aiordma_chan_reserve(struct aiordma_chan *c, uint64_t *wr_id);
 int aiordma_chan_repost_all(struct aiordma_chan *c);
 int aiordma_chan_flush_reposts(struct aiordma_chan *c);
 

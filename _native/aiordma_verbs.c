@@ -514,3 +514,60 @@ int aiordma_get_async_event(struct ibv_context *ctx, struct aiordma_async_event 
     ibv_ack_async_event(&ev);
     return 0;
 }
+
+/* ---- memory windows (type 2: bound to one QP) ---------------------------------------------- */
+
+/* Allocate a type 2 memory window; NULL with errno set when the device has none. */
+struct ibv_mw *aiordma_alloc_mw2(struct ibv_pd *pd)
+{
+    return ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+}
+
+/* Invalidate and free it (synchronous: when this returns, no rkey of it is valid). */
+int aiordma_dealloc_mw(struct ibv_mw *mw)
+{
+    int rc = ibv_dealloc_mw(mw);
+    return rc ? -(rc > 0 ? rc : EIO) : 0;
+}
+
+uint32_t aiordma_mw_rkey(struct ibv_mw *mw)
+{
+    return mw->rkey;
+}
+
+/* The next rkey of a window: its index bits kept, its 8-bit key changed (ibv_inc_rkey). */
+uint32_t aiordma_inc_rkey(uint32_t rkey)
+{
+    return ibv_inc_rkey(rkey);
+}
+
+/* Post a BIND_MW work request on qp: window mw, bound to [addr, addr + length) of mr with
+ * mw_access (IBV_ACCESS_REMOTE_*), its new rkey new_rkey.  Returns 0 or -errno. */
+int aiordma_post_bind_mw(struct ibv_qp *qp, uint64_t wr_id, struct ibv_mw *mw, struct ibv_mr *mr,
+                         uint64_t addr, uint64_t length, uint32_t mw_access, uint32_t new_rkey,
+                         uint32_t send_flags)
+{
+    struct ibv_send_wr wr, *bad = NULL;
+
+    memset(&wr, 0, sizeof(wr));
+    wr.wr_id = wr_id;
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.send_flags = send_flags;
+    wr.bind_mw.mw = mw;
+    wr.bind_mw.rkey = new_rkey;
+    wr.bind_mw.bind_info.mr = mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = length;
+    wr.bind_mw.bind_info.mw_access_flags = mw_access;
+    int rc = ibv_post_send(qp, &wr, &bad);
+    return rc ? -(rc > 0 ? rc : EIO) : 0;
+}
+
+/* Change the access flags of a QP in RTS (what its peer may do: IBV_ACCESS_REMOTE_*). */
+int aiordma_qp_set_access(struct ibv_qp *qp, uint32_t access_flags)
+{
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof(a));
+    a.qp_access_flags = access_flags;
+    return -ibv_modify_qp(qp, &a, IBV_QP_ACCESS_FLAGS);
+}

@@ -204,4 +204,14 @@ int aiordma_post_recv_one(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr,
 
 int aiordma_get_async_event(struct ibv_context *ctx, struct aiordma_async_event *out);
 
+/* Memory windows of type 2 (bound to one QP by a BIND_MW work request; dealloc invalidates). */
+struct ibv_mw *aiordma_alloc_mw2(struct ibv_pd *pd);
+int aiordma_dealloc_mw(struct ibv_mw *mw);
+uint32_t aiordma_mw_rkey(struct ibv_mw *mw);
+uint32_t aiordma_inc_rkey(uint32_t rkey);
+int aiordma_post_bind_mw(struct ibv_qp *qp, uint64_t wr_id, struct ibv_mw *mw, struct ibv_mr *mr,
+                         uint64_t addr, uint64_t length, uint32_t mw_access, uint32_t new_rkey,
+                         uint32_t send_flags);
+int aiordma_qp_set_access(struct ibv_qp *qp, uint32_t access_flags);
+
 #endif

@@ -71,6 +71,21 @@ class Device:
     name: str
     node_type: str | None
     ports: list[Port] = field(default_factory=list)
+    #: how this device scopes the rkeys a connection grants (None: not asked: no native module)
+    remote_keys: str | None = None
+
+
+def remote_key_scoping(name: str) -> str:
+    """How connections on device ``name`` scope the remote keys they grant: the one memory-window
+    probe a device makes when it opens (``aiordma._rdma.device``), made here once."""
+    from ._rdma.verbs import Context
+
+    with Context(name) as ctx, ctx.alloc_pd() as pd:
+        try:
+            pd.alloc_mw().close()
+        except Exception as exc:  # (RDMAError EOPNOTSUPP: no windows, as on siw)
+            return f"a protection domain per connection (no type 2 memory windows: {exc})"
+    return "memory windows (type 2): each grant bound to its connection's QP"
 
 
 def read_rdma_devices(root: str = SYSFS_IB) -> list[Device]:
@@ -174,7 +189,7 @@ def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
             "reason": probe_result["reason"],
             "sysfs": sysfs_root,
             "sysfs_exists": os.path.isdir(sysfs_root),
-            "devices": [asdict(d) for d in read_rdma_devices(sysfs_root)],
+            "devices": [asdict(d) for d in _with_scoping(read_rdma_devices(sysfs_root), probe_result["native_module"])],
         },
         "env": {"AIORDMA_TRANSPORT": env},
         "default_policy": default_policy,
@@ -182,6 +197,16 @@ def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
         "auto": _would_use("auto"),
         "default": _would_use(default_policy) if default_policy is not None else None,
     }
+
+
+def _with_scoping(devices: list[Device], native: bool) -> list[Device]:
+    if native:
+        for dev in devices:
+            try:
+                dev.remote_keys = remote_key_scoping(dev.name)
+            except Exception as exc:  # (the device cannot be opened: say so, do not fail info)
+                dev.remote_keys = f"unknown (opening {dev.name} failed: {exc})"
+    return devices
 
 
 def _describe_choice(outcome: dict[str, Any]) -> str:
@@ -212,6 +237,8 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append("RDMA devices:")
         for dev in rdma["devices"]:
             lines.append(f"  {dev['name']}" + (f" ({dev['node_type']})" if dev["node_type"] else ""))
+            if dev.get("remote_keys"):
+                lines.append(f"    remote keys: {dev['remote_keys']}")
             if not dev["ports"]:
                 lines.append("    no ports")
             for port in dev["ports"]:

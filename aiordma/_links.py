@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -105,6 +106,49 @@ def _ignore_control(data: bytes | None) -> None:
     pass
 
 
+def _immutable(chunk: Chunk) -> bool:
+    """Whether a chunk's bytes can never change (``bytes``, or a read-only view of ``bytes``)."""
+    if type(chunk) is bytes:
+        return True
+    return type(chunk) is memoryview and chunk.readonly and type(chunk.obj) is bytes
+
+
+def write_chunks(writer: asyncio.WriteTransport, chunks: Sequence[Chunk], fd: int) -> None:
+    """Write ``chunks`` to an asyncio transport, in order, so that it keeps no reference to a
+    buffer of the caller's that could still change: on Python 3.12+ (and on uvloop) a transport
+    keeps a reference to what it could not send at once, and a reused ``bytearray`` would change
+    bytes not yet on the wire.
+
+    Immutable chunks go to the transport as they are.  Otherwise, while the transport holds
+    nothing (its buffer is empty), the chunks go to the socket at once in one gathered write
+    (``writev``: header and payload, never joined) and only what the kernel did not take is
+    copied into the transport; with data already buffered, mutable chunks are copied first.
+    ``fd`` is the plain socket's descriptor, or -1 (TLS: the transport encrypts, always copy)."""
+    if len(chunks) == 1 and type(chunks[0]) is bytes:
+        writer.write(chunks[0])
+        return
+    if all(_immutable(c) for c in chunks):
+        for chunk in chunks:
+            writer.write(chunk)
+        return
+    sent = 0
+    if fd >= 0 and writer.get_write_buffer_size() == 0:
+        try:
+            sent = os.writev(fd, chunks)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = 0  # (the transport reports the connection's end itself)
+    for chunk in chunks:
+        n = len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
+        if sent >= n:
+            sent -= n
+            continue
+        rest = memoryview(chunk)[sent:] if sent else chunk
+        sent = 0
+        writer.write(rest if _immutable(rest) else bytes(rest))
+
+
 def unacknowledged(sock: Any) -> int:
     """Bytes the kernel still holds for the peer on a TCP socket (queued or sent but not
     acknowledged: ``SIOCOUTQ``); 0 where it cannot tell."""
@@ -156,6 +200,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     # plain attributes here (read-only properties on the Link interface)
     transport: asyncio.BaseTransport | None = None
     direct_writer: asyncio.Transport | None = None
+    #: the plain TCP socket's descriptor (-1: none, or TLS)
+    fd: int = -1
     paused_writing: bool = False
     lost: bool = False
     #: set by the asyncio Transport front end (aiordma._transport): called, instead of waking
@@ -210,6 +256,9 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self.transport = transport
         # uvloop's transports are not subclasses of asyncio's: rely on the methods
         self.direct_writer = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
         if self._on_made is not None:
             self._on_made(self)
 
@@ -410,14 +459,15 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             self._resume_reading()
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """Queue ``chunks`` on the transport (see :func:`write_chunks`: nothing of a caller's
+        mutable buffer is kept once this returns)."""
         writer = self.direct_writer
         if writer is None or writer.is_closing():
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
-        if len(chunks) == 1:
+        if len(chunks) == 1 and type(chunks[0]) is bytes:
             writer.write(chunks[0])
         else:
-            for chunk in chunks:
-                writer.write(chunk)
+            write_chunks(writer, chunks, self.fd)
 
     async def drain(self) -> None:
         if not self.paused_writing or self.lost:

@@ -74,7 +74,7 @@ async def expose(
     region: Any = None
     addr = rkey = 0
     if link.one_sided_rdma:
-        region = link.expose_region(view, access)  # type: ignore[attr-defined]
+        region = await link.expose_region(view, access)  # type: ignore[attr-defined]
         addr, rkey = int(region.addr), int(region.rkey)
     held = obj if isinstance(obj, RegisteredMemory) else None
     if held is not None:
@@ -236,7 +236,8 @@ async def send_rendezvous(core: Core, data: Any) -> None:
     """Stage ``data`` in a region the peer may READ and announce it in the message's place.
 
     One copy (into the staging region; the caller's buffer is free when this returns); the
-    receiver READs it straight into its buffer.  The region is the peer's until its RNDV_DONE;
+    receiver READs it straight into its buffer.  The region is granted to the peer, through this
+    connection's QP only, until its RNDV_DONE (then the grant dies);
     at most ``RdmaConfig.rendezvous_inflight`` bytes are staged at once (this waits beyond)."""
     view = _byte_view(data, writable=False)
     n = view.nbytes
@@ -269,8 +270,14 @@ async def _stage_and_announce(core: Core, view: memoryview) -> None:
         stage[:] = view
     finally:
         stage.release()
-    mid, payload = core.memory.rendezvous(n, int(region.addr), int(region.rkey))
-    link.rndv_hold(mid, region)
+    window, rkey = await link.rndv_grant(region, n)  # (this QP only, until the peer's RNDV_DONE)
+    try:
+        core.check_send()  # (the peer may have closed while the grant was made)
+    except BaseException:
+        link.rndv_discard(region, window)
+        raise
+    mid, payload = core.memory.rendezvous(n, int(region.addr), rkey)
+    link.rndv_hold(mid, region, window)
     await link.send([proto.send_memory(payload)])
 
 

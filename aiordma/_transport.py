@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._core import Core
+from ._links import write_chunks
 from ._protocol import Half, Mode
 
 __all__ = ["AiordmaTransport", "extra_info", "reset_error"]
@@ -231,11 +232,10 @@ class AiordmaTransport(asyncio.Transport):
         chunks = self._proto.send_data(data)
         writer = link.direct_writer
         if writer is not None:  # TCP: the TCP transport buffers and pauses us itself
-            if len(chunks) == 1:
+            if len(chunks) == 1 and type(chunks[0]) is bytes:
                 writer.write(chunks[0])
             else:
-                for chunk in chunks:
-                    writer.write(chunk)
+                write_chunks(writer, chunks, link.fd)
             return
         try:
             link.write_nowait(chunks)

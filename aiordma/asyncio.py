@@ -33,7 +33,7 @@ from ._api import AdmissionOptions, Options, _make_acceptor, _open, accept_hands
 from ._core import Core, Link
 from ._errors import LocalProtocolError
 from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._links import DEFAULT_KEEPALIVE, AsyncioLink
+from ._links import DEFAULT_KEEPALIVE, AsyncioLink, write_chunks
 from ._negotiate import local_offer
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
@@ -238,11 +238,10 @@ class StreamWriter:
                 link.write_nowait(chunks)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return  # as with asyncio: write() never raises for a lost connection, drain() does
-        elif len(chunks) == 1:
+        elif len(chunks) == 1 and type(chunks[0]) is bytes:
             writer.write(chunks[0])
         else:
-            for chunk in chunks:
-                writer.write(chunk)
+            write_chunks(writer, chunks, getattr(link, "fd", -1))
 
     def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
         for chunk in data:

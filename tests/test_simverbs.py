@@ -735,7 +735,7 @@ def test_everything_released(fab: SimFabric) -> None:
         with ctx.create_cq(8, ch) as cq, pd.create_qp(cq) as qp, pd.reg_mr(5000) as mr:
             with pd.reg_buffer(buf, Access.LOCAL_WRITE) as bmr:
                 live = fab.live_objects()
-                assert live == {"contexts": 1, "pds": 1, "mrs": 2, "cqs": 1, "channels": 1, "qps": 1,
+                assert live == {"contexts": 1, "pds": 1, "mrs": 2, "mws": 0, "cqs": 1, "channels": 1, "qps": 1,
                                 "registered_bytes": 6000}  # fmt: skip
                 assert fds() - before  # the context and the channel own real fds
                 bmr.write(10, b"abc")
@@ -769,3 +769,111 @@ def test_deterministic_numbers_and_sq_sig_all() -> None:
         s.close()
     f1.assert_no_live_objects()
     f2.assert_no_live_objects()
+
+
+# --------------------------------------------------------------------------
+# memory windows (type 2) and QP access: what a NIC enforces
+# --------------------------------------------------------------------------
+
+
+def _read(a: Side, wr_id: int, raddr: int, rkey: int, length: int = 16) -> None:
+    a.qp.post_send(SendWR(Opcode.RDMA_READ, wr_id=wr_id, addr=a.mr.addr, length=length, lkey=a.mr.lkey,
+                          remote_addr=raddr, rkey=rkey))  # fmt: skip
+
+
+def test_a_window_is_reachable_only_through_the_qp_that_bound_it(fab: SimFabric) -> None:
+    """B's QP 1 binds a window on its memory; A's READ through QP 1's peer works; a third QP
+    (same device, same PD as B's QP 1) refuses the same rkey; dealloc kills it at once."""
+    a, b = side(fab, "simA"), side(fab, "simB", mr_access=Access.LOCAL_WRITE | Access.MW_BIND)
+    bring_up(fab, a, b)
+    b.mr.write(0, b"window contents.")
+    mw = b.pd.alloc_mw()
+    rkey = b.qp.post_bind_mw(7, mw, b.mr, b.mr.addr, 16, Access.REMOTE_READ)
+    assert b.poll() == [(7, 0, WCOpcode.BIND_MW, 0, -1, b.qp.qp_num)]
+    assert rkey != b.mr.rkey and mw.rkey == rkey
+    _read(a, 1, b.mr.addr, rkey)
+    assert a.poll() == [(1, 0, WCOpcode.RDMA_READ, 16, -1, a.qp.qp_num)]
+    assert a.mr.read(0, 16) == b"window contents."
+    # the region's own rkey grants nothing (MW_BIND, no remote access)
+    _read(a, 2, b.mr.addr, b.mr.rkey)
+    assert a.poll()[0][:2] == (2, WCStatus.REM_ACCESS_ERR)
+    # a second connection to the same PD of B: its QP may not use the window bound to B's first
+    c = side(fab, "simA")
+    d_qp = b.pd.create_qp(b.cq)
+    gid_b, gid_a = fab.gid_for_ip("10.0.0.2"), fab.gid_for_ip("10.0.0.1")
+    assert gid_a is not None and gid_b is not None
+    c.qp.to_init(1, access=QP_RW)
+    c.qp.to_rtr(d_qp.qp_num, gid_b.gid, sgid_index=1, path_mtu=4096)
+    c.qp.to_rts(0)
+    d_qp.to_init(1, access=QP_RW)
+    d_qp.to_rtr(c.qp.qp_num, gid_a.gid, sgid_index=1, path_mtu=4096)
+    d_qp.to_rts(0)
+    _read(c, 3, b.mr.addr, rkey)
+    assert c.poll()[0][:2] == (3, WCStatus.REM_ACCESS_ERR)
+    mw.close()
+    d_qp.close()
+    c.close()
+    a.close()
+    b.close()
+    assert fab.live_objects() == dict.fromkeys(fab.live_objects(), 0)
+
+
+def test_a_deallocated_window_and_a_qp_without_read_access_refuse(fab: SimFabric) -> None:
+    a, b = side(fab, "simA"), side(fab, "simB", mr_access=Access.LOCAL_WRITE | Access.MW_BIND)
+    bring_up(fab, a, b, access=Access.LOCAL_WRITE | Access.REMOTE_WRITE)  # no REMOTE_READ on the QPs
+    mw = b.pd.alloc_mw()
+    rkey = b.qp.post_bind_mw(7, mw, b.mr, b.mr.addr, 64, Access.REMOTE_READ)
+    _read(a, 1, b.mr.addr, rkey)
+    assert a.poll()[0][:2] == (1, WCStatus.REM_ACCESS_ERR)  # the QP's own flags come first
+    mw.close()
+    a.close()
+    b.close()
+    a, b = side(fab, "simA"), side(fab, "simB", mr_access=Access.LOCAL_WRITE | Access.MW_BIND)
+    bring_up(fab, a, b)
+    mw = b.pd.alloc_mw()
+    rkey = b.qp.post_bind_mw(7, mw, b.mr, b.mr.addr, 64, Access.REMOTE_READ)
+    mw.close()  # invalidated now
+    _read(a, 2, b.mr.addr, rkey)
+    assert a.poll()[0][:2] == (2, WCStatus.REM_ACCESS_ERR)
+    a.close()
+    b.close()
+
+
+def test_a_bind_the_rules_refuse_fails(fab: SimFabric) -> None:
+    """A region without MW_BIND, a range outside it, remote write on memory without local write."""
+    for access, grant, length in (
+        (Access.LOCAL_WRITE, Access.REMOTE_READ, 16),
+        (Access.LOCAL_WRITE | Access.MW_BIND, Access.REMOTE_READ, 9000),
+        (Access.MW_BIND, Access.REMOTE_WRITE, 16),
+    ):
+        a, b = side(fab, "simA"), side(fab, "simB", mr_access=access)
+        bring_up(fab, a, b)
+        mw = b.pd.alloc_mw()
+        b.qp.post_bind_mw(7, mw, b.mr, b.mr.addr, length, grant)
+        assert b.poll()[0][:2] == (7, WCStatus.MW_BIND_ERR)
+        assert b.qp.state == QPState.ERR
+        mw.close()
+        a.close()
+        b.close()
+
+
+def test_a_device_without_windows_says_so(fab: SimFabric) -> None:
+    fab.add_device("siw0", "10.0.0.3", memory_windows=False)
+    with fab.open_context("siw0") as ctx, ctx.alloc_pd() as pd:
+        with pytest.raises(RDMAError) as ei:
+            pd.alloc_mw()
+        assert ei.value.errno == errno.EOPNOTSUPP
+
+
+def test_read_only_memory_can_be_registered_for_remote_reads(fab: SimFabric) -> None:
+    a, b = side(fab, "simA"), side(fab, "simB")
+    bring_up(fab, a, b)
+    data = bytes(range(64))
+    with b.pd.reg_buffer(data, Access.REMOTE_READ) as ro:
+        _read(a, 1, ro.addr, ro.rkey, 64)
+        assert a.poll()[0][:2] == (1, 0)
+        assert a.mr.read(0, 64) == data
+    with pytest.raises(TypeError):
+        b.pd.reg_buffer(data, Access.LOCAL_WRITE)
+    a.close()
+    b.close()

@@ -40,6 +40,8 @@ class Access(enum.IntFlag):
     REMOTE_WRITE = 2
     REMOTE_READ = 4
     REMOTE_ATOMIC = 8
+    #: memory windows may be bound to the region (each window then grants its own remote access)
+    MW_BIND = 16
 
 
 #: Least privilege: memory is local-only unless a caller grants more; a QP

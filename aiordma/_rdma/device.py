@@ -9,10 +9,16 @@ reference-counted: :func:`acquire_device` opens it on first use in a loop
 :meth:`Device.release` closes it when the last user is done, in order:
 watchers, CQ, channel, cached regions, PD, context.
 
-Sharing a PD is safe because nothing in it is remotely accessible: ring
-regions are registered ``LOCAL_WRITE`` only, so no rkey of one connection
-lets a peer reach another connection's memory (a QP allows remote WRITE only
-for the zero-length path probe, which touches no memory).
+**Remote keys are scoped to one connection.**  Where the device has type 2
+memory windows (probed once, when it opens: rxe has them, siw does not), the
+PD is shared and nothing in it carries remote access itself: what a peer may
+reach is a window bound, by a work request on *its connection's* QP, to the
+part of a region it was granted (an exposure, a staged rendezvous message);
+the window's rkey works through that QP only, and ``dealloc`` kills it at
+once (revocation, RNDV_DONE, close).  Where the device has none, every
+connection gets a protection domain of its own (:class:`PrivateScope`): its
+QP, rings, staging and registrations live there, so an rkey it grants is
+refused on every other QP.  Either way, ``scope.windows`` says which.
 
 The CQ is sized once (up to the device's ``max_cqe``) and every QP reserves
 its send and receive queue depths from it, so it cannot overflow even when a
@@ -116,6 +122,7 @@ class Device:
             self.port_attr = ctx.query_port(1)
             self.gids: list[GidEntry] = list(ctx.query_gid_table())  # one verbs call, not a sysfs walk
             self.pd = ctx.alloc_pd()
+            self.windows = self._has_windows()
             self.channel = ctx.create_comp_channel()
             self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
             self.cq_free: int = int(self.cq.cqe)
@@ -129,6 +136,23 @@ class Device:
         except BaseException:
             self._close_resources()
             raise
+
+    def _has_windows(self) -> bool:
+        """Whether this device has type 2 memory windows (one allocation tells)."""
+        alloc = getattr(self.pd, "alloc_mw", None)
+        if alloc is None:
+            return False
+        try:
+            alloc().close()
+        except (RDMAError, OSError) as exc:
+            log.info("aiordma: %s has no type 2 memory windows (%s): a protection domain per connection", self.name, exc)
+            return False
+        return True
+
+    def scope(self) -> Device | PrivateScope:
+        """Where one new connection's memory lives: this device's shared PD (with windows), or a
+        protection domain of its own (see the module docs)."""
+        return self if self.windows else PrivateScope(self)
 
     def find_gid(self, ip: str) -> GidEntry | None:
         """The RoCEv2 GID entry of a local address on this device (the table is asked again on a miss:
@@ -198,10 +222,20 @@ class Device:
         mr.close()
 
     def register_exposed(self, view: memoryview, access: int) -> Any:
-        """A region the peer may reach (its own registration: revoking it is deregistering it)."""
+        """A region a window may make reachable (``access``: what the window will grant; the
+        region itself grants nothing remote).  Read-only memory needs no local write."""
         from .constants import Access
 
-        return self.pd.reg_buffer(view, Access.LOCAL_WRITE | access)
+        return self.pd.reg_buffer(view, (Access.LOCAL_WRITE if access & Access.REMOTE_WRITE else 0) | Access.MW_BIND)
+
+    def staging_region(self, length: int) -> Any:
+        """A region for staged rendezvous messages (local-only; windows grant the READs)."""
+        from .constants import Access
+
+        return self.pd.reg_mr(length, Access.LOCAL_WRITE | Access.MW_BIND)
+
+    def close_scope(self) -> None:
+        """(The shared scope is the device's: it closes with the device.)"""
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -324,6 +358,75 @@ class Device:
 
 _FATAL_QP_EVENTS = frozenset({"IBV_EVENT_QP_FATAL", "IBV_EVENT_QP_REQ_ERR", "IBV_EVENT_QP_ACCESS_ERR"})
 _FATAL_DEVICE_EVENTS = frozenset({"IBV_EVENT_DEVICE_FATAL", "IBV_EVENT_CQ_ERR", "IBV_EVENT_PORT_ERR"})
+
+
+class PrivateScope:
+    """One connection's own protection domain, on a device without memory windows: its QP,
+    rings, staging regions and registrations of user memory are there, and what it registers
+    for remote access is reachable through its QP only.  :meth:`close_scope` after the QP is
+    destroyed deregisters everything and deallocates the PD."""
+
+    windows = False
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.name = device.name
+        self.pd = device.ctx.alloc_pd()
+        self.closed = False
+        self._user: dict[Any, Any] = {}
+
+    def take_region(self, length: int) -> Any:
+        from .constants import Access
+
+        return self.pd.reg_mr(length, Access.LOCAL_WRITE)
+
+    def give_region(self, mr: Any) -> None:
+        mr.close()
+
+    def register_user(self, mem: Any, view: memoryview) -> Any:
+        from .constants import Access
+
+        if self.closed:
+            raise RDMAError(errno.ENODEV, "ibv_reg_mr", "the connection's protection domain is gone")
+        mr = self.pd.reg_buffer(view, Access.LOCAL_WRITE)
+        self._user[mem] = mr
+        return mr
+
+    def unregister_user(self, mem: Any, mr: Any) -> None:
+        self._user.pop(mem, None)
+        mr.close()
+
+    def register_exposed(self, view: memoryview, access: int) -> Any:
+        """The region itself carries the remote access: this PD is this connection's alone."""
+        from .constants import Access
+
+        return self.pd.reg_buffer(view, (Access.LOCAL_WRITE if access & Access.REMOTE_WRITE else 0) | access)
+
+    def staging_region(self, length: int) -> Any:
+        from .constants import Access
+
+        return self.pd.reg_mr(length, Access.LOCAL_WRITE | Access.REMOTE_READ)
+
+    def close_scope(self) -> None:
+        """Deregister what is left, then deallocate the PD (its QP must be destroyed first)."""
+        if self.closed:
+            return
+        self.closed = True
+        errors: list[BaseException] = []
+        for mem in list(self._user):
+            mr = mem.forget_device(self)
+            self._user.pop(mem, None)
+            if mr is not None:
+                try:
+                    mr.close()
+                except Exception as exc:  # every later step runs regardless
+                    errors.append(exc)
+        try:
+            self.pd.close()
+        except Exception as exc:
+            errors.append(exc)
+        for error in errors:
+            log.warning("aiordma: closing a connection's protection domain: %s", error)
 
 
 class DeviceHold:

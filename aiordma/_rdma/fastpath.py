@@ -496,6 +496,20 @@ class NativeSession:
         self._check_c()
         return seq
 
+    def reserve_wr(self) -> tuple[int, int]:
+        """A send-queue entry for a signaled work request the link posts itself (a BIND_MW):
+        ``(sequence number, wr_id)``, or ``(0, 0)`` while the send queue is full.  Its completion
+        comes back as a one-sided one (:meth:`take_onesided`)."""
+        wr_id = self._ffi.new("uint64_t *")
+        seq = int(self._lib.aiordma_chan_reserve(self.c, wr_id))
+        if seq == -_errno.EAGAIN:
+            return 0, 0
+        if seq < 0:
+            if self.error is None:
+                self.fail(RDMAError(-seq, "ibv_post_send", "the connection cannot post"))
+            raise self.error  # type: ignore[misc]
+        return seq, int(wr_id[0])
+
     def take_onesided(self) -> list[tuple[int, int]]:
         """The one-sided WRs completed since the last call: (sequence number, wc status)."""
         c = self.c

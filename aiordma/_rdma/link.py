@@ -98,6 +98,22 @@ def peer_ip_of(link: Link) -> str | None:
     return _address(link, SocketAttribute.remote_address)
 
 
+class _Exposed:
+    """One exposure of this connection: its region, the window that grants it, what to announce."""
+
+    __slots__ = ("region", "nbytes", "window", "rkey")
+
+    def __init__(self, region: Any, nbytes: int) -> None:
+        self.region = region
+        self.nbytes = nbytes
+        self.window: Any = None
+        self.rkey = 0
+
+    @property
+    def addr(self) -> int:
+        return int(self.region.addr)
+
+
 class RdmaLink(Link):
     """One connection's QP, session and rings (see the module docs)."""
 
@@ -108,6 +124,10 @@ class RdmaLink(Link):
         self.config: RdmaConfig = backend.config
         self.io = io
         self.device: Device | None = None
+        #: where this connection's memory lives: the device (shared PD, memory windows) or its own
+        #: protection domain (a device without windows): see device.py
+        self.scope: Any = None
+        self._qp_access = int(qp_setup.QP_ACCESS)  # what the peer may do on our QP (grows: _allow)
         self.qp: Any = None
         self.recv_mr: Any = None
         self.send_mr: Any = None
@@ -146,11 +166,11 @@ class RdmaLink(Link):
         #: one-sided WRs posted whose completion nobody took yet (the device's: see rdma())
         self.os_inflight: set[int] = set()
         self._os_waiting = 0
-        self._exposed: dict[int, tuple[Any, int]] = {}  # id(region) -> (exposed region, pinned bytes)
+        self._exposed: dict[int, _Exposed] = {}  # id -> an exposure (its region and grant)
         #: called once when the teardown has released everything (a listener's budget)
         self.on_destroyed: list[Callable[[], None]] = []
         # rendezvous: regions the peer may READ (this connection's only), staged or free
-        self._rndv_held: dict[int, Any] = {}
+        self._rndv_held: dict[int, tuple[Any, Any]] = {}  # message id -> (region, window)
         self._rndv_free: dict[int, list[Any]] = {}
         self.rndv_staged = 0
         self.rndv_limit = backend.config.rendezvous_inflight
@@ -202,13 +222,14 @@ class RdmaLink(Link):
         self.gid_entry = entry
         self._enter("resources")
         buffers = cfg.window + cfg.control
-        self.qp, self._cq_reserved = qp, _ = qp_setup.create_qp(device, cfg)
+        self.scope = scope = device.scope()  # (the shared PD with windows, else this connection's own)
+        self.qp, self._cq_reserved = qp, _ = qp_setup.create_qp(device, cfg, scope.pd)
         self.qp_num = int(qp.qp_num)
         caps = qp.caps
         self._enter("init")
         qp_setup.to_init(qp, entry)
         self._enter("memory")
-        self.recv_mr = device.take_region(buffers * cfg.buffer_size)
+        self.recv_mr = scope.take_region(buffers * cfg.buffer_size)
         ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
         poller = device.poller
         self._native = cfg.use_native(poller.native is not None)
@@ -278,7 +299,7 @@ class RdmaLink(Link):
         self._enter("rts")
         qp_setup.rts(qp, self.psn, cfg, device, peer)
         slot = min(peer.buffer_size, cfg.buffer_size)
-        self.send_mr = device.take_region(cfg.window * slot)
+        self.send_mr = self.scope.take_region(cfg.window * slot)
         ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)
         session.start(
             peer,
@@ -854,43 +875,100 @@ class RdmaLink(Link):
     def one_sided_rdma(self) -> bool:  # type: ignore[override]
         return self._native and self._active and self.session is not None
 
-    def expose_region(self, view: memoryview, access: int) -> Any:
-        """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted)."""
+    # -- grants: what the peer may reach, through this QP only (device.py, "Remote keys") ------
+
+    def _allow(self, access: int) -> None:
+        """Our QP lets the peer do ``access`` (REMOTE_READ / REMOTE_WRITE) from now on."""
+        want = self._qp_access | (access & (Access.REMOTE_READ | Access.REMOTE_WRITE))
+        if want != self._qp_access and self.qp is not None:
+            self.qp.set_access(want)
+            self._qp_access = want
+
+    async def _grant(self, mr: Any, addr: int, length: int, access: int) -> tuple[Any, int]:
+        """Let the peer reach ``[addr, addr + length)`` of ``mr`` with ``access``, through this QP
+        only: ``(window, rkey)``; the window is None in a connection's own PD (the region's rkey
+        is the grant).  Returns once the grant is in force (the window's bind completed)."""
+        self._allow(access)
+        scope = self.scope
+        if not scope.windows:
+            return None, int(mr.rkey)
+        mw = scope.pd.alloc_mw()
+        try:
+            session = self.session
+
+            def post() -> int:
+                seq: int
+                seq, wr_id = session.reserve_wr()
+                if seq:
+                    try:
+                        self.qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
+                    except (RDMAError, OSError) as exc:
+                        session.fail(exc)  # (a refused post: the QP's state is unknown)
+                        self._broke()
+                        raise BrokenResourceError(f"granting remote access failed: {exc}") from exc
+                return seq
+
+            status = await self._post_and_wait(post)
+            if status:
+                raise RemoteMemoryError(f"binding a memory window failed: {wc_status_name(status)}")
+        except BaseException:
+            mw.close()  # (its bind completed, or was never posted, or the QP is gone)
+            raise
+        return mw, int(mw.rkey)
+
+    @staticmethod
+    def _revoke(window: Any) -> None:
+        """End a grant: the window's rkey is dead when this returns (``ibv_dealloc_mw``)."""
+        if window is not None:
+            window.close()
+
+    async def expose_region(self, view: memoryview, access: int) -> Any:
+        """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted);
+        the returned exposure has the ``addr`` and ``rkey`` to announce."""
         device = self.device
-        if device is None or device.closed:
+        if device is None or device.closed or self.scope is None:
             raise BrokenResourceError("the RDMA connection is gone")
         flags = (Access.REMOTE_READ if access & READ else 0) | (Access.REMOTE_WRITE if access & WRITE else 0)
         reserve_pinned(view.nbytes)
         try:
-            region = device.register_exposed(view, flags)
+            region = self.scope.register_exposed(view, flags)
         except BaseException:
             release_pinned(view.nbytes)
             raise
-        self._exposed[id(region)] = (region, view.nbytes)
-        return region
+        exposed = _Exposed(region, view.nbytes)
+        self._exposed[id(exposed)] = exposed
+        try:
+            exposed.window, exposed.rkey = await self._grant(region, int(region.addr), view.nbytes, flags)
+        except BaseException:
+            self.release_region(exposed)
+            raise
+        return exposed
 
-    def release_region(self, region: Any) -> None:
-        """Deregister an exposed region (after the revocation; idempotent)."""
-        entry = self._exposed.pop(id(region), None)
-        if entry is not None:
-            try:
-                region.close()
-            finally:
-                release_pinned(entry[1])
+    def release_region(self, exposed: Any) -> None:
+        """End an exposure (after the revocation; idempotent): its window dies, then its region
+        is deregistered.  A region whose deregistration fails stays listed (the teardown tries
+        again); its window is dead already, so nothing of it is reachable."""
+        if id(exposed) not in self._exposed:
+            return
+        window, exposed.window = exposed.window, None
+        self._revoke(window)
+        exposed.region.close()
+        del self._exposed[id(exposed)]
+        release_pinned(exposed.nbytes)
 
     async def rdma(self, write: bool, view: memoryview, raddr: int, rkey: int) -> None:
         """RDMA WRITE ``view`` to ``[raddr, rkey]``, or READ into it; returns once it completed.
 
         ``view`` inside live registered memory goes as it is (zero copy); anything else is staged
-        through the device's registered regions, ``STAGE`` bytes at a time."""
+        through this connection's registered regions, ``STAGE`` bytes at a time."""
         n = view.nbytes
         found = find_registered(view)
+        scope = self.scope
+        if self.device is None or scope is None:
+            raise BrokenResourceError("the RDMA connection is gone")
         if found is not None:
             mem, offset = found
-            device = self.device
-            if device is None:
-                raise BrokenResourceError("the RDMA connection is gone")
-            mr = mem.mr_for(device)
+            mr = mem.mr_for(scope)
             mem.hold()
             try:
                 pos = 0
@@ -901,11 +979,8 @@ class RdmaLink(Link):
             finally:
                 mem.unhold()
             return
-        device = self.device
-        if device is None:
-            raise BrokenResourceError("the RDMA connection is gone")
         size = min(n, STAGE)
-        region = device.take_region(size)
+        region = scope.take_region(size)
         try:
             stage = region.view()
             try:
@@ -924,42 +999,68 @@ class RdmaLink(Link):
         finally:
             # _one_sided returns only once its WR completed (or was never posted, or the QP is
             # gone): the region is reusable
-            device.give_region(region)
+            scope.give_region(region)
 
     # rendezvous (see aiordma._remote.send_rendezvous) --
+    #
+    # A staged message's region is granted to the peer for READ (a window bound to this QP, or the
+    # region itself in this connection's own PD) from its announcement until the peer's RNDV_DONE:
+    # then the grant dies (the window is deallocated; a private region is deregistered) and only a
+    # region that grants nothing by itself goes back to the free list.
 
     def rndv_take(self, n: int) -> Any:
-        """A region of at least ``n`` bytes the peer may READ (sizes are powers of two, reused)."""
+        """A region of at least ``n`` bytes to stage a message in (sizes are powers of two, reused)."""
         size = max(64 << 10, 1 << max(0, n - 1).bit_length())
         free = self._rndv_free.get(size)
         if free:
             return free.pop()
         device = self.device
-        if device is None or device.closed:
+        if device is None or device.closed or self.scope is None:
             raise BrokenResourceError("the RDMA connection is gone")
         reserve_pinned(size)
         try:
-            return device.pd.reg_mr(size, Access.LOCAL_WRITE | Access.REMOTE_READ)
+            return self.scope.staging_region(size)
         except BaseException:
             release_pinned(size)
             raise
 
-    def rndv_hold(self, mid: int, region: Any) -> None:
-        self._rndv_held[mid] = region
+    async def rndv_grant(self, region: Any, n: int) -> tuple[Any, int]:
+        """Let the peer READ the first ``n`` bytes of a staged region: ``(window, rkey)``.  On an
+        error the region is given back (not announced)."""
+        try:
+            return await self._grant(region, int(region.addr), n, Access.REMOTE_READ)
+        except BaseException:
+            self._rndv_put_back(region)
+            raise
+
+    def rndv_hold(self, mid: int, region: Any, window: Any = None) -> None:
+        self._rndv_held[mid] = (region, window)
         self.rndv_staged += int(region.length)
 
     def rndv_release(self, mid: int) -> None:
-        """The peer READ message ``mid`` (its RNDV_DONE): the region may be reused."""
-        region = self._rndv_held.pop(mid, None)
-        if region is None:
+        """The peer READ message ``mid`` (its RNDV_DONE): its rkey dies now; the region may be reused."""
+        held = self._rndv_held.pop(mid, None)
+        if held is None:
             return
+        region, window = held
         self.rndv_staged -= int(region.length)
+        self._revoke(window)
+        self._rndv_put_back(region)
+        self._wake_all()  # a sender may wait for room
+
+    def rndv_discard(self, region: Any, window: Any) -> None:
+        """A staged region that is not announced after all: its grant dies, the region goes back."""
+        self._revoke(window)
+        self._rndv_put_back(region)
+
+    def _rndv_put_back(self, region: Any) -> None:
+        """A staging region no grant reaches any more: cached for the next message (when it grants
+        nothing by itself), else closed."""
         cached = sum(int(r.length) for rs in self._rndv_free.values() for r in rs)
-        if cached + int(region.length) <= self.rndv_limit:
+        if self.scope is not None and self.scope.windows and cached + int(region.length) <= self.rndv_limit:
             self._rndv_free.setdefault(int(region.length), []).append(region)
         else:
             self._close_rndv(region)
-        self._wake_all()  # a sender may wait for room
 
     def _close_rndv(self, region: Any) -> None:
         n = int(region.length)
@@ -981,7 +1082,7 @@ class RdmaLink(Link):
             self.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
             return
         size = max(64 << 10, 1 << max(0, rv.length - 1).bit_length())
-        self._stream_fetch = [rv, device.take_region(size), 0, False]
+        self._stream_fetch = [rv, self.scope.take_region(size), 0, False]
         self._stream_fetch_step()
 
     def _stream_fetch_step(self, force: bool = False) -> None:
@@ -1035,8 +1136,8 @@ class RdmaLink(Link):
                     stage.release()
                 count_staged(rv.length)
         finally:
-            if device is not None:
-                device.give_region(region)  # (its WR completed)
+            if device is not None and self.scope is not None:
+                self.scope.give_region(region)  # (its WR completed)
         core.send_memory_nowait(core.memory.rendezvous_done(rv))
         core.resume_after_rendezvous()
 
@@ -1053,7 +1154,8 @@ class RdmaLink(Link):
             await self.rdma(False, memoryview(buf), raddr, rkey)
             return bytes(buf)
         size = max(64 << 10, 1 << (n - 1).bit_length())
-        region = device.take_region(size)
+        scope = self.scope
+        region = scope.take_region(size)
         try:
             await self._one_sided(False, int(region.addr), n, int(region.lkey), raddr, rkey)
             stage = region.view(0, n)
@@ -1063,16 +1165,37 @@ class RdmaLink(Link):
             finally:
                 stage.release()
         finally:
-            device.give_region(region)  # (as in rdma(): the WR is done)
+            scope.give_region(region)  # (as in rdma(): the WR is done)
 
     async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
-        await self.core.checkpoint()
         session = self.session
+        status = await self._post_and_wait(lambda: session.post_onesided(write, laddr, length, lkey, raddr, rkey))
+        if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
+            # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
+            broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
+            broken.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise broken
+        if status:
+            what = "WRITE" if write else "READ"
+            err = RemoteMemoryError(
+                f"the RDMA {what} failed: {wc_status_name(status)} (on RC this ends the connection)"
+            )
+            err.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise err
+
+    async def _post_and_wait(self, post: Callable[[], int]) -> int:
+        """Post one signaled work request of ours (``post()``: its sequence number, 0 while the send
+        queue is full) and wait for its completion; returns its status.
+
+        Ownership: what the work request names is the device's until its completion is polled.
+        Cancelled, this still waits (shielded) for that completion -- a posted WR always
+        completes (done, failed, or flushed once the QP is in ERROR) -- or for the QP's end."""
+        await self.core.checkpoint()
         wanted = self._want_sends()  # our completion is not solicited: be woken by every one
         try:
             while True:
                 self._check_usable()
-                seq = session.post_onesided(write, laddr, length, lkey, raddr, rkey)
+                seq = post()
                 if seq:
                     break
                 await self._wait()  # the send queue is full: a send completion makes room
@@ -1094,18 +1217,7 @@ class RdmaLink(Link):
         status = self._os_done.pop(seq, None)
         if status is None:
             raise BrokenResourceError("the RDMA connection ended before the operation completed")
-        if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
-            # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
-            broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
-            broken.__cause__ = self.core.broken() if self.core.error is not None else None
-            raise broken
-        if status:
-            what = "WRITE" if write else "READ"
-            err = RemoteMemoryError(
-                f"the RDMA {what} failed: {wc_status_name(status)} (on RC this ends the connection)"
-            )
-            err.__cause__ = self.core.broken() if self.core.error is not None else None
-            raise err
+        return status
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -1299,15 +1411,19 @@ class RdmaLink(Link):
                 self.session.reclaim()
             except RuntimeError:
                 pass
+        scope = self.scope
         if qp_gone:
-            for region, _n in list(self._exposed.values()):
-                attempt(partial(self.release_region, region))  # (an exposure still open: revoked here)
+            for exposed in list(self._exposed.values()):
+                attempt(partial(self.release_region, exposed))  # (an exposure still open: revoked here)
             if self._stream_fetch is not None:
                 fetch, self._stream_fetch = self._stream_fetch, None
                 self._unwant_sends(fetch[3])
-                if device is not None:
-                    attempt(partial(device.give_region, fetch[1]))  # (the QP is gone: nothing touches it)
-            for region in [*self._rndv_held.values(), *(r for rs in self._rndv_free.values() for r in rs)]:
+                if scope is not None:
+                    attempt(partial(scope.give_region, fetch[1]))  # (the QP is gone: nothing touches it)
+            for region, window in self._rndv_held.values():
+                attempt(partial(self._revoke, window))
+                attempt(partial(self._close_rndv, region))
+            for region in (r for rs in self._rndv_free.values() for r in rs):
                 attempt(partial(self._close_rndv, region))
             self._rndv_held.clear()
             self._rndv_free.clear()
@@ -1316,11 +1432,14 @@ class RdmaLink(Link):
         if device is not None:
             for mr in (self.send_mr, self.recv_mr):
                 if mr is not None:
-                    if qp_gone:
-                        attempt(partial(device.give_region, mr))
+                    if qp_gone and scope is not None:
+                        attempt(partial(scope.give_region, mr))
                     else:  # pragma: no cover - the QP could not be destroyed: never reuse what it may touch
                         log.error("aiordma: an RDMA QP could not be destroyed; its buffers are leaked on purpose")
             self.send_mr = self.recv_mr = None
+            if scope is not None and qp_gone and scope is not device and not self._exposed:
+                attempt(scope.close_scope)  # (a connection's own PD: after everything in it)
+                self.scope = None
             if self._cq_reserved:
                 device.unreserve_cq(self._cq_reserved)
                 self._cq_reserved = 0

@@ -5,11 +5,11 @@ of the fallback reasons (``docs/architecture.md``):
 
 * :func:`create_qp` (``resources``): an RC QP on the device's shared CQ, its
   queue depths reserved from the CQ's budget, as the *granted* caps say;
-* :func:`to_init` (``init``): access flags -- local write, remote WRITE and
-  READ.  What the peer may reach is decided per region: ring regions are
-  local-only, so the zero-length path probe is the only WRITE they answer;
-  only a region the application exposes (``Channel.expose``) carries remote
-  access, and only for as long as it is exposed;
+* :func:`to_init` (``init``): access flags -- remote WRITE only, which the
+  zero-length path probe needs and which reaches no memory by itself; remote
+  READ comes when this side first grants a READ.  What the peer may reach is
+  decided per grant: a memory window bound to this QP, or a region of this
+  connection's own PD (``device.py``), for as long as it is granted;
 * :func:`check_peer` (``params``): the peer's parameters are valid and its
   GID is the TCP peer's address, so a HELLO cannot aim our QP at a third host;
 * :func:`rtr`, :func:`rts` (steps ``rtr``, ``rts``): RTR towards the peer, then RTS with
@@ -29,8 +29,10 @@ from .params import MTU_BYTES, RdmaParams
 
 __all__ = ["create_qp", "to_init", "check_peer", "rtr", "rts", "gid_of", "readable_gid", "QP_ACCESS"]
 
-#: what a connection's QP allows its peer (see the module docs)
-QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+#: what a connection's QP allows its peer at first: remote WRITE, for the zero-length path probe
+#: alone (it names no memory; nothing is reachable without a grant).  Remote READ is added when
+#: this side first grants a READ (a rendezvous, a read exposure): ``RdmaLink._allow``
+QP_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 #: RDMA READs in flight at once, at most (the device may grant fewer)
 MAX_RD_ATOM = 16
 
@@ -51,17 +53,19 @@ def readable_gid(gid: bytes) -> str:
     return f"::ffff:{mapped}" if mapped is not None else str(address)
 
 
-def create_qp(device: Device, config: RdmaConfig) -> tuple[Any, int]:
-    """A QP for ``config`` on the device's CQ; returns it and the CQ entries reserved for it."""
+def create_qp(device: Device, config: RdmaConfig, pd: Any = None) -> tuple[Any, int]:
+    """A QP for ``config`` on the device's CQ, in ``pd`` (default: the device's); returns it and
+    the CQ entries reserved for it."""
     buffers = config.window + config.control
+    pd = pd if pd is not None else device.pd
     try:
-        qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers,
-                                 max_inline_data=config.max_inline)  # fmt: skip
+        qp = pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers,
+                          max_inline_data=config.max_inline)  # fmt: skip
     except (RDMAError, OSError):
         if not config.max_inline:
             raise
         # a device without inline sends (or with less): ask for none; the granted caps decide
-        qp = device.pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers)
+        qp = pd.create_qp(device.cq, max_send_wr=buffers + 4, max_recv_wr=buffers)
     reserved = int(qp.caps.max_send_wr) + int(qp.caps.max_recv_wr)
     try:
         device.reserve_cq(reserved)

@@ -170,7 +170,7 @@ def _require_native(what: str) -> None:
 # Live-object accounting
 # --------------------------------------------------------------------------
 
-_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "cqs", "channels", "qps", "registered_bytes")
+_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "registered_bytes")
 _live: dict[str, int] = dict.fromkeys(_LIVE_KEYS, 0)
 _live_lock = threading.Lock()
 
@@ -488,6 +488,11 @@ class ProtectionDomain(_Resource):
     def create_qp(self, send_cq: CompletionQueue, recv_cq: CompletionQueue | None = None, **kw: Any) -> QueuePair:
         return QueuePair(self, send_cq, recv_cq, **kw)
 
+    def alloc_mw(self) -> MemoryWindow:
+        """A type 2 memory window (``ibv_alloc_mw``): bound to one QP by
+        :meth:`QueuePair.post_bind_mw`; ``RDMAError`` (EOPNOTSUPP ...) where the device has none."""
+        return MemoryWindow(self)
+
     def close(self) -> None:
         """``ibv_dealloc_pd``; its memory regions and queue pairs must be closed first."""
         if self._closed:
@@ -532,7 +537,9 @@ class MemoryRegion(_Resource):
         else:
             self.buffer = length_or_buffer
             length = memoryview(length_or_buffer).nbytes
-        cbuf = _ffi.from_buffer("char[]", self.buffer, require_writable=True)
+        # (a buffer the NIC only reads -- no local write, remote read at most -- may be read-only)
+        writable = bool(int(access) & (Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
+        cbuf = _ffi.from_buffer("char[]", self.buffer, require_writable=writable)
         h = _lib.ibv_reg_mr(pd._h, cbuf, length, int(access))
         if h == _ffi.NULL:
             err = int(_ffi.errno)
@@ -591,6 +598,43 @@ class MemoryRegion(_Resource):
         self.buffer = None
         _count("registered_bytes", -self.length)
         self._mark_closed()
+
+
+class MemoryWindow(_Resource):
+    """A type 2 memory window (``ibv_alloc_mw``): remote access to part of a memory region
+    (one with ``Access.MW_BIND``), granted through one QP only, from its bind until
+    :meth:`close` (``ibv_dealloc_mw``, which invalidates it: when it returns, its rkey is dead).
+    ``rkey`` is the key of the current binding (``post_bind_mw`` gives each binding a new one)."""
+
+    _kind = "mws"
+    _label = "memory window"
+
+    def __init__(self, pd: ProtectionDomain) -> None:
+        _require_native("a MemoryWindow")
+        pd._ensure_open("ibv_alloc_mw")
+        h = _lib.aiordma_alloc_mw2(pd._h)
+        if h == _ffi.NULL:
+            raise _fail(int(_ffi.errno) or _errno.EOPNOTSUPP, "ibv_alloc_mw", "type 2")
+        super().__init__((pd,))
+        self.pd = pd
+        self._h: Any = h
+        self.rkey: int = int(_lib.aiordma_mw_rkey(h))
+        _count(self._kind, 1)
+
+    def __repr__(self) -> str:
+        return f"<MemoryWindow rkey=0x{self.rkey:x}{' closed' if self._closed else ''}>"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        _check(int(_lib.aiordma_dealloc_mw(self._h)), "ibv_dealloc_mw")
+        self._h = None
+        self._mark_closed()
+
+
+def next_rkey(rkey: int) -> int:
+    """The rkey a window's next binding gets: the same index, another 8-bit key (``ibv_inc_rkey``)."""
+    return (rkey & 0xFFFFFF00) | ((rkey + 1) & 0xFF)
 
 
 def _memlock_hint(err: int) -> str:
@@ -1140,6 +1184,26 @@ class QueuePair(_Resource):
 
     def post_send(self, wr: SendWR) -> None:
         self.post_send_batch((wr,))
+
+    def post_bind_mw(self, wr_id: int, mw: MemoryWindow, mr: MemoryRegion, addr: int, length: int, access: int,
+                     signaled: bool = True) -> int:  # fmt: skip
+        """Post a BIND_MW work request: ``mw`` grants ``access`` (``Access.REMOTE_*``) to
+        ``[addr, addr + length)`` of ``mr`` through this QP only, once it executed (in order with
+        the rest of the send queue).  Returns the binding's rkey (also ``mw.rkey`` from now on).
+        Raises :class:`PostError` if the device refused it."""
+        self._ensure_open("ibv_post_send")
+        rkey = next_rkey(mw.rkey)
+        rc = int(_lib.aiordma_post_bind_mw(self._h, wr_id, mw._h, mr._h, addr, length, int(access), rkey,
+                                           _SIGNALED if signaled else 0))  # fmt: skip
+        if rc < 0:
+            raise PostError(-rc, "ibv_post_send(BIND_MW)", 0, 1)
+        mw.rkey = rkey
+        return rkey
+
+    def set_access(self, access: int) -> None:
+        """What the peer may do on this QP from now on (``Access.REMOTE_*``; in RTR or RTS)."""
+        self._ensure_open("ibv_modify_qp(access)")
+        _check(int(_lib.aiordma_qp_set_access(self._h, int(access))), "ibv_modify_qp(access)")
 
     def post_send_batch(self, wrs: Sequence[SendWR]) -> None:
         """Post send-queue work requests as chained WRs (one C call per batch).

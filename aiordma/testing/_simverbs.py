@@ -34,9 +34,16 @@ written against the native binding runs unchanged on them.
   events are pending, so ``loop.add_reader``, ``select`` and trio's
   ``wait_readable`` work on their ``fileno()``.
 
+* **Protection is enforced like a NIC's.**  An rkey reaches memory only through a QP of the
+  region's protection domain, and a type 2 memory window's rkey only through the one QP that
+  bound it, only while it is bound (``dealloc`` invalidates it) and only within its range and
+  access; a QP's own access flags (``to_init``, ``set_access``) are checked first.  A refused
+  access is ``REM_ACCESS_ERR`` at the requester and moves both QPs to ERROR, as on rxe.  A device
+  may be made without memory windows (``add_device(memory_windows=False)``, as siw).
+
 Not simulated: timing (no latency, bandwidth, timeouts or retransmission,
 hence no PSN checks and no packets), path MTU segmentation, atomics, SRQs,
-memory windows, multiple ports, UD QPs, and the cost of anything.  Everything
+type 1 memory windows, multiple ports, UD QPs, and the cost of anything.  Everything
 is deterministic (keys and QP numbers come from a seeded PRNG) and needs no
 event loop; the objects are not thread-safe.
 """
@@ -45,6 +52,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+
+import cffi  # type: ignore[import-untyped]
 import ipaddress
 import mmap
 import os
@@ -93,7 +102,8 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "cqs", "channels", "qps", "registered_bytes")
+_cffi = cffi.FFI()  # (the address of a read-only buffer: ctypes gives none)
+_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "registered_bytes")
 _COUNTERS: Final = (
     "posts", "recv_posts", "polls", "polled", "req_notify", "events", "async_events",
     "completions", "errors", "rnr_errors", "bytes", "cq_overruns", "dropped",
@@ -110,6 +120,8 @@ _EVENT_KIND: Final = {0: "cq", 8: "device", 14: "srq", 15: "srq", 19: "wq"} | di
     (9, 10, 11, 12, 13, 17, 18), "port"
 )
 #: send WR opcode -> completion opcode
+#: the send opcode of a BIND_MW (``IBV_WR_BIND_MW``; posted only through post_bind_mw)
+_OP_BIND: Final = 8
 _WC_OF: Final = {
     Opcode.RDMA_WRITE: WCOpcode.RDMA_WRITE,
     Opcode.RDMA_WRITE_WITH_IMM: WCOpcode.RDMA_WRITE,
@@ -117,6 +129,7 @@ _WC_OF: Final = {
     Opcode.SEND_WITH_IMM: WCOpcode.SEND,
     Opcode.RDMA_READ: WCOpcode.RDMA_READ,
 }
+_WC_OP: Final = {**{int(k): int(v) for k, v in _WC_OF.items()}, _OP_BIND: int(WCOpcode.BIND_MW)}
 _MAX_SGE: Final = 32
 _GID_TBL_LEN: Final = 16
 _OK: Final = int(WCStatus.SUCCESS)
@@ -339,6 +352,7 @@ class _Device:
     max_cqe: int
     max_inline_data: int
     max_qp_rd_atom: int
+    memory_windows: bool = True
 
 
 class SimFabric:
@@ -364,6 +378,7 @@ class SimFabric:
         self._issued: set[int] = set()  # every QP number and key ever handed out (never reused)
         self._by_lkey: dict[int, SimMemoryRegion] = {}
         self._by_rkey: dict[int, SimMemoryRegion] = {}
+        self._mw_by_rkey: dict[int, SimMemoryWindow] = {}  # bound windows, by their current rkey
         #: held send-side items in order: completions (late ACKs) and RDMA READs not executed yet
         self._held: list[tuple[SimQueuePair, _Completion | _Work]] = []
         self._held_recvs: list[tuple[SimQueuePair, _Completion]] = []  # late receive completions
@@ -376,7 +391,7 @@ class SimFabric:
     # devices and discovery -----------------------------------------------
     def add_device(self, name: str = "sim0", ip: str = "127.0.0.1", *, active_mtu: int = 4096,
                    max_qp_wr: int = 4096, max_cqe: int = 65536, max_inline_data: int = 256,
-                   max_qp_rd_atom: int = 16) -> None:  # fmt: skip
+                   max_qp_rd_atom: int = 16, memory_windows: bool = True) -> None:  # fmt: skip
         addr = ipaddress.ip_address(ip)
         if name in self._devices:
             raise ValueError(f"device {name!r} already exists")
@@ -387,7 +402,8 @@ class SimFabric:
         guid = 0x02_00_5E_FF_FE_00_00_00 | (len(self._devices) + 1)
         link_local = ipaddress.IPv6Address((0xFE80 << 112) | guid)
         self._devices[name] = _Device(name, addr, (link_local, ipaddress.IPv6Address(gid_bytes(addr))), guid,
-                                      active_mtu, max_qp_wr, max_cqe, max_inline_data, max_qp_rd_atom)  # fmt: skip
+                                      active_mtu, max_qp_wr, max_cqe, max_inline_data, max_qp_rd_atom,
+                                      memory_windows)  # fmt: skip
 
     def device_names(self) -> list[str]:
         return list(self._devices)
@@ -520,10 +536,19 @@ class SimFabric:
         return (mr is not None and mr.pd is pd and (not write or bool(mr.access & Access.LOCAL_WRITE))
                 and mr.addr <= addr and addr + length <= mr.addr + mr.length)  # fmt: skip
 
-    def _remote_ok(self, pd: SimProtectionDomain, rkey: int, addr: int, length: int, need: int) -> bool:
+    def _remote_ok(self, qp: SimQueuePair, rkey: int, addr: int, length: int, need: int) -> bool:
+        """Whether ``rkey`` lets a peer reach ``[addr, addr + length)`` with ``need`` through ``qp``:
+        a region of its PD with that access, or a window bound to ``qp`` itself."""
         mr = self._by_rkey.get(rkey)
-        return (mr is not None and mr.pd is pd and bool(mr.access & need)
-                and mr.addr <= addr and addr + length <= mr.addr + mr.length)  # fmt: skip
+        if mr is not None:
+            return (mr.pd is qp.pd and bool(mr.access & need)
+                    and mr.addr <= addr and addr + length <= mr.addr + mr.length)  # fmt: skip
+        mw = self._mw_by_rkey.get(rkey)
+        if mw is None or mw._bound is None:
+            return False
+        bqp, mr, start, size, access = mw._bound
+        return (bqp is qp and mw.pd is qp.pd and not mr.closed and bool(access & need)
+                and start <= addr and addr + length <= start + size)  # fmt: skip
 
     def _registered(self, addr: int, length: int) -> bool:
         return any(m.addr <= addr and addr + length <= m.addr + m.length for m in self._by_lkey.values())
@@ -656,6 +681,12 @@ class SimProtectionDomain(_SimResource):
         """Register an existing writable buffer (kept exported until ``close()``)."""
         return SimMemoryRegion(self, buffer, access)
 
+    def alloc_mw(self) -> SimMemoryWindow:
+        """A type 2 memory window (``RDMAError`` EOPNOTSUPP on a device made without them)."""
+        if not self.context._device.memory_windows:
+            raise RDMAError(errno.EOPNOTSUPP, "ibv_alloc_mw", "this device has no memory windows")
+        return SimMemoryWindow(self)
+
     def create_qp(self, send_cq: SimCompletionQueue, recv_cq: SimCompletionQueue | None = None, *,
                   max_send_wr: int = 64, max_recv_wr: int = 64, max_send_sge: int = 1, max_recv_sge: int = 1,
                   max_inline_data: int = 0, sq_sig_all: bool = False) -> SimQueuePair:  # fmt: skip
@@ -696,11 +727,15 @@ class SimMemoryRegion(_SimResource):
                 raise ValueError("cannot register an empty buffer")
         export = memoryview(self.buffer).cast("B")
         if export.readonly:
-            export.release()
-            raise TypeError("reg_buffer needs a writable buffer")
-        cobj = ctypes.c_char.from_buffer(export)
-        self.addr: int = ctypes.addressof(cobj)
-        del cobj  # release its export: only ours keeps the buffer pinned
+            if access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC):
+                export.release()
+                raise TypeError("reg_buffer needs a writable buffer (or no write access at all)")
+            self._pinned: Any = _cffi.from_buffer(export)  # (read-only memory: its address)
+            self.addr: int = int(_cffi.cast("uintptr_t", self._pinned))
+        else:
+            cobj = ctypes.c_char.from_buffer(export)
+            self.addr = ctypes.addressof(cobj)
+            del cobj  # release its export: only ours keeps the buffer pinned
         self._export: memoryview | None = export
         super().__init__(pd._fabric, (pd,))
         fab = self._fabric
@@ -738,6 +773,9 @@ class SimMemoryRegion(_SimResource):
             return
         fab = self._fabric
         del fab._by_lkey[self.lkey], fab._by_rkey[self.rkey]
+        if getattr(self, "_pinned", None) is not None:
+            _cffi.release(self._pinned)
+            self._pinned = None
         if self._export is not None:
             self._export.release()
             self._export = None
@@ -749,6 +787,36 @@ class SimMemoryRegion(_SimResource):
             self._mmap = None
         self.buffer = None
         fab._live["registered_bytes"] -= self.length
+        self._mark_closed()
+
+
+class SimMemoryWindow(_SimResource):
+    """A type 2 memory window: ``SimQueuePair.post_bind_mw`` binds it (to that QP); ``close()``
+    (dealloc) invalidates it at once."""
+
+    _kind = "mws"
+    _label = "memory window"
+
+    def __init__(self, pd: SimProtectionDomain) -> None:
+        pd._ensure_open("ibv_alloc_mw")
+        super().__init__(pd._fabric, (pd,))
+        self.pd = pd
+        self.rkey: int = (self._fabric._new_id(1, 1 << 24) << 8) | 1
+        #: (qp, mr, addr, length, access) while bound
+        self._bound: tuple[SimQueuePair, SimMemoryRegion, int, int, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"<SimMemoryWindow rkey=0x{self.rkey:x}{' bound' if self._bound else ''}>"
+
+    def _unbind(self) -> None:
+        if self._bound is not None:
+            self._fabric._mw_by_rkey.pop(self.rkey, None)
+            self._bound = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._unbind()
         self._mark_closed()
 
 
@@ -1141,6 +1209,47 @@ class SimQueuePair(_SimResource):
     def post_send(self, wr: SendWR) -> None:
         self.post_send_batch((wr,))
 
+    def set_access(self, access: int) -> None:
+        """What the peer may do on this QP from now on (in RTR or RTS)."""
+        self._ensure_open("ibv_modify_qp(access)")
+        if self._state not in (QPState.INIT, QPState.RTR, QPState.RTS):
+            raise RDMAError(errno.EINVAL, "ibv_modify_qp(access)", f"the QP is in {self._state.name}")
+        self._access = int(access)
+
+    def post_bind_mw(self, wr_id: int, mw: SimMemoryWindow, mr: SimMemoryRegion, addr: int, length: int,
+                     access: int, signaled: bool = True) -> int:  # fmt: skip
+        """A BIND_MW work request (executed in send-queue order): ``mw`` grants ``access`` to
+        ``[addr, addr + length)`` of ``mr`` through this QP only.  Returns its new rkey.  A bind
+        the rules refuse completes with ``MW_BIND_ERR`` (and the QP goes to ERROR)."""
+        self._ensure_open("ibv_post_send")
+        if self._state not in (QPState.RTS, QPState.ERR):
+            raise PostError(errno.EINVAL, "ibv_post_send(BIND_MW)", 0, 1)
+        if self._sq_posted - self._sq_retired >= self.caps.max_send_wr:
+            raise PostError(errno.ENOMEM, "ibv_post_send(BIND_MW)", 0, 1)
+        rkey = (mw.rkey & 0xFFFFFF00) | ((mw.rkey + 1) & 0xFF)
+        self._sq_posted += 1
+        self._fabric.counters["posts"] += 1
+        w = _Work(_OP_BIND, wr_id, addr, length, 0, 0, rkey, 0, self._sq_sig_all or signaled, False, None,
+                  self._sq_posted)  # fmt: skip
+        if self._state == QPState.ERR:
+            self._send_done(w, WCStatus.WR_FLUSH_ERR)
+            return rkey
+        ok = (not mw.closed and not mr.closed and mw.pd is self.pd and mr.pd is self.pd
+              and mw._bound is None and bool(mr.access & Access.MW_BIND)
+              and (not access & Access.REMOTE_WRITE or bool(mr.access & Access.LOCAL_WRITE))
+              and mr.addr <= addr and addr + length <= mr.addr + mr.length)  # fmt: skip
+        if ok:
+            fab = self._fabric
+            fab._mw_by_rkey.pop(mw.rkey, None)
+            mw.rkey = rkey
+            mw._bound = (self, mr, addr, length, int(access))
+            fab._mw_by_rkey[rkey] = mw
+            self._send_done(w, _OK)
+        else:
+            self._send_done(w, WCStatus.MW_BIND_ERR)
+            self._enter_error()
+        return rkey
+
     def post_records(self, chan: Any) -> None:
         """Post what the native path recorded for this QP (record mode: ``_native/aiordma_fast.h``).
 
@@ -1278,8 +1387,8 @@ class SimQueuePair(_SimResource):
     def _send_done(self, w: _Work, status: int) -> None:
         if status == _OK and not w.signaled:
             return
-        c = _Completion(w.wr_id, status, _WC_OF[Opcode(w.op)], w.length if status == _OK else 0, -1, self.qp_num,
-                        qp=self, sq_seq=w.seq)  # fmt: skip
+        c = _Completion(w.wr_id, status, _WC_OP[w.op], w.length if status == _OK and w.op != _OP_BIND else 0, -1,
+                        self.qp_num, qp=self, sq_seq=w.seq)  # fmt: skip
         self._fabric._deliver_send(self, c)
 
     # the wire: responder side (each returns the requester's status) --------
@@ -1308,7 +1417,7 @@ class SimQueuePair(_SimResource):
 
     def _accept_write(self, src: SimQueuePair, w: _Work) -> int:
         if not self._access & Access.REMOTE_WRITE or (
-            w.length and not self._fabric._remote_ok(self.pd, w.rkey, w.raddr, w.length, Access.REMOTE_WRITE)
+            w.length and not self._fabric._remote_ok(self, w.rkey, w.raddr, w.length, Access.REMOTE_WRITE)
         ):
             return self._responder_error(None, _OK, WCStatus.REM_ACCESS_ERR)
         if w.op != Opcode.RDMA_WRITE_WITH_IMM:
@@ -1326,7 +1435,7 @@ class SimQueuePair(_SimResource):
 
     def _accept_read(self, w: _Work) -> int:
         if not self._access & Access.REMOTE_READ or (
-            w.length and not self._fabric._remote_ok(self.pd, w.rkey, w.raddr, w.length, Access.REMOTE_READ)
+            w.length and not self._fabric._remote_ok(self, w.rkey, w.raddr, w.length, Access.REMOTE_READ)
         ):
             return self._responder_error(None, _OK, WCStatus.REM_ACCESS_ERR)
         if w.length:
