@@ -193,6 +193,49 @@ async def test_closing_right_after_sending_delivers_everything_to_the_peer() -> 
 @needs_peer
 @pytest.mark.skipif(not ON_THE_BED, reason="raw work requests on an RDMA QP")
 @pytest.mark.anyio
+async def test_an_rkey_of_one_connection_is_refused_on_another_across_hosts() -> None:
+    """Host a exposes memory on one connection; this host, on two other connections, copies that
+    exposure's address and rkey into raw RDMA READ and WRITE work requests on their own QPs.  Host
+    a's NIC refuses both (the window is bound to the first connection's QP): the attackers' own
+    connections fail, and the exposed memory is unread by them and unchanged."""
+    from aiordma._rdma.constants import Access, Opcode, SendWR
+
+    size, seed = 1 << 20, 23
+    before = live()
+    async with await channel() as victim:
+        await victim.send(b"EXPOSE %d %d" % (size, seed))
+        remote = aiordma.RemoteBuffer.from_bytes(await victim.receive())
+        for op in (Opcode.RDMA_READ, Opcode.RDMA_WRITE):
+            ch = await channel()
+            link: Any = ch._core.link
+            src = link.device.pd.reg_mr(4096, Access.LOCAL_WRITE)
+            try:
+                src.view()[:] = b"\xee" * 4096
+                link.qp.post_send(SendWR(op, wr_id=(1 << 63) | 31, addr=src.addr, length=4096, lkey=src.lkey,
+                                         remote_addr=remote.addr, rkey=remote.rkey))  # fmt: skip
+                with anyio.fail_after(30), pytest.raises(anyio.BrokenResourceError) as ei:
+                    while True:
+                        await ch.receive()
+                cause = str(ei.value.__cause__)
+                print(f"\nanother connection's rkey ({op.name}): {cause}")
+                assert any(s in cause for s in ("REM_ACCESS_ERR", "REM_INV_REQ_ERR", "REM_OP_ERR")), cause
+                if op == Opcode.RDMA_READ:
+                    assert src.read(0, 4096) == b"\xee" * 4096  # nothing of host a's came
+            finally:
+                with anyio.fail_after(30):
+                    await ch.aclose()
+                src.close()
+        with aiordma.RegisteredBuffer(size) as local:  # the victim's own access still works
+            await victim.read(remote, into=local)
+            assert bytes(local) == pattern(size, seed)
+        await victim.send(b"DONE")
+        assert await victim.receive() == hashlib.sha256(pattern(size, seed)).hexdigest().encode()  # unchanged
+    assert live() == before
+
+
+@needs_peer
+@pytest.mark.skipif(not ON_THE_BED, reason="raw work requests on an RDMA QP")
+@pytest.mark.anyio
 @pytest.mark.parametrize("fault", ["garbage_payload", "oversized_send", "read_guessed_rkey"])
 async def test_a_hostile_peer_across_hosts_breaks_only_its_own_connection(fault: str) -> None:
     """tests/test_rdma_transport.py's hostile peer on the bed's wire, host b attacking host a's
@@ -305,7 +348,7 @@ async def wire(op: str, **args: Any) -> dict[str, Any]:
 def live() -> dict[str, int]:
     from aiordma._rdma.verbs import live_objects
 
-    return {k: v for k, v in live_objects().items() if k in ("qps", "cqs", "mrs", "channels", "registered_bytes")}
+    return {k: v for k, v in live_objects().items() if k in ("qps", "cqs", "mrs", "mws", "channels", "registered_bytes")}
 
 
 def netem_here(spec: str) -> None:

@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-
-import cffi  # type: ignore[import-untyped]
 import ipaddress
 import mmap
 import os
@@ -102,7 +100,28 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-_cffi = cffi.FFI()  # (the address of a read-only buffer: ctypes gives none)
+
+
+class _PyBuffer(ctypes.Structure):
+    """``Py_buffer``: what ``PyObject_GetBuffer`` fills (the address of a read-only buffer, which
+    ``ctypes.c_char.from_buffer`` refuses)."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]  # fmt: skip
+
+
+def _pin_readonly(obj: Any) -> tuple[_PyBuffer, int]:
+    """A buffer export of ``obj`` (released by :func:`_unpin`) and its address."""
+    view = _PyBuffer()
+    if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(obj), ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE
+        raise TypeError("the object has no contiguous buffer")
+    return view, int(view.buf or 0)
+
+
+def _unpin(view: _PyBuffer) -> None:
+    ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 _LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "registered_bytes")
 _COUNTERS: Final = (
     "posts", "recv_posts", "polls", "polled", "req_notify", "events", "async_events",
@@ -730,8 +749,8 @@ class SimMemoryRegion(_SimResource):
             if access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC):
                 export.release()
                 raise TypeError("reg_buffer needs a writable buffer (or no write access at all)")
-            self._pinned: Any = _cffi.from_buffer(export)  # (read-only memory: its address)
-            self.addr: int = int(_cffi.cast("uintptr_t", self._pinned))
+            self._pinned: Any
+            self._pinned, self.addr = _pin_readonly(export)  # (read-only memory: its address)
         else:
             cobj = ctypes.c_char.from_buffer(export)
             self.addr = ctypes.addressof(cobj)
@@ -774,7 +793,7 @@ class SimMemoryRegion(_SimResource):
         fab = self._fabric
         del fab._by_lkey[self.lkey], fab._by_rkey[self.rkey]
         if getattr(self, "_pinned", None) is not None:
-            _cffi.release(self._pinned)
+            _unpin(self._pinned)
             self._pinned = None
         if self._export is not None:
             self._export.release()
