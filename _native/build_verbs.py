@@ -1,8 +1,11 @@
 """cffi (API mode, out-of-line) build script for ``aiordma._verbs_cffi``.
 
-Used by ``setup.py`` through ``cffi_modules=["_native/build_verbs.py:ffibuilder"]``
-only when the libibverbs headers are installed (Debian/Ubuntu:
-``libibverbs-dev``; Fedora: ``rdma-core-devel``).  It can also be
+Used by ``setup.py`` through ``cffi_modules=["_native/build_verbs.py:ffibuilder"]``.  It
+builds with a C compiler alone: the verbs declarations come from ``_native/include`` (copies of
+rdma-core's public headers, see ``include/NOTICE``), and the module is linked against a stub
+``libibverbs.so.1`` built here (:func:`_link_stub`) that carries rdma-core's symbol versions, so
+the module asks for the real library (Debian/Ubuntu ``libibverbs1``, with a provider such as
+``ibverbs-providers``) by its soname at run time.  It can also be
 run by hand: ``python _native/build_verbs.py`` builds the extension into the
 current directory.
 
@@ -23,7 +26,13 @@ Python threads while it spins.  The C code never calls back into Python.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
 
 from cffi import FFI
 
@@ -293,14 +302,65 @@ ffibuilder.cdef(CDEF)
 # script is run from elsewhere.
 _rel = os.path.relpath(HERE) if os.getcwd() == os.path.dirname(HERE) else HERE
 
+#: The libibverbs functions the module calls, by the version each has as its default in
+#: libibverbs.so.1 (``objdump -T``).  Versions matter: libibverbs keeps its 1.0 ABI under the same
+#: names (``ibv_open_device@IBVERBS_1.0`` returns another struct), and an unversioned reference
+#: binds to that oldest one at run time -- the context's fields were garbage when the module
+#: was built without linking.  tests/test_wheel.py checks that every reference carries its version.
+SYMBOL_VERSIONS: dict[str, tuple[str, ...]] = {
+    "IBVERBS_1.0": ("ibv_create_comp_channel", "ibv_destroy_comp_channel"),
+    "IBVERBS_1.1": (
+        "ibv_ack_async_event", "ibv_ack_cq_events", "ibv_alloc_pd", "ibv_close_device", "ibv_create_cq",
+        "ibv_create_qp", "ibv_dealloc_pd", "ibv_dereg_mr", "ibv_destroy_cq", "ibv_destroy_qp",
+        "ibv_event_type_str", "ibv_free_device_list", "ibv_get_async_event", "ibv_get_cq_event",
+        "ibv_get_device_list", "ibv_get_device_name", "ibv_modify_qp", "ibv_node_type_str", "ibv_open_device",
+        "ibv_port_state_str", "ibv_query_device", "ibv_query_gid", "ibv_query_port", "ibv_query_qp",
+        "ibv_wc_status_str",
+    ),
+    "IBVERBS_1.8": ("ibv_reg_mr_iova2",),
+    "IBVERBS_1.11": ("_ibv_query_gid_table",),
+}  # fmt: skip
+
+
+def _link_stub() -> str:
+    """Build a stub ``libibverbs.so.1`` (empty functions, rdma-core's soname and symbol
+    versions) in a scratch directory and return it: linking against it gives the module a
+    ``DT_NEEDED`` on ``libibverbs.so.1`` and a versioned reference per function, as linking the
+    real library would, without needing rdma-core on the build host.  Nothing of the stub is
+    installed."""
+    out = tempfile.mkdtemp(prefix="aiordma-ibverbs-stub-")
+    atexit.register(shutil.rmtree, out, True)
+    names = [n for group in SYMBOL_VERSIONS.values() for n in group]
+    with open(os.path.join(out, "stub.c"), "w") as f:
+        f.writelines(f"void {name}(void) {{}}\n" for name in names)
+    script, previous = [], ""
+    for i, (version, group) in enumerate(SYMBOL_VERSIONS.items()):
+        body = " ".join(f"{n};" for n in group)
+        local = " local: *;" if i == 0 else ""
+        script.append(f"{version} {{ global: {body}{local} }} {previous};")
+        previous = version
+    with open(os.path.join(out, "stub.map"), "w") as f:
+        f.write("\n".join(script) + "\n")
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    subprocess.run([*cc, "-shared", "-fPIC", "-o", os.path.join(out, "libibverbs.so.1"), os.path.join(out, "stub.c"),
+                    "-Wl,-soname,libibverbs.so.1", "-Wl,--version-script," + os.path.join(out, "stub.map")],
+                   check=True)  # fmt: skip
+    return out
+
+
 ffibuilder.set_source(
     "aiordma._verbs_cffi",
     '#include <infiniband/verbs.h>\n'
     '#include "aiordma_verbs.h"\n'
     '#include "aiordma_fast.h"\n',
     sources=[os.path.join(_rel, "aiordma_verbs.c"), os.path.join(_rel, "aiordma_fast.c")],
-    include_dirs=[_rel],
-    libraries=["ibverbs"],
+    # the verbs declarations this project carries (include/NOTICE): a C compiler is all a build
+    # needs; first, so that they win over any system copy
+    include_dirs=[os.path.join(_rel, "include"), _rel],
+    # linked against the stub (no rpath: at run time the loader finds the real libibverbs.so.1,
+    # or the module's import fails and aiordma says why and runs on TCP)
+    library_dirs=[_link_stub()],
+    libraries=[":libibverbs.so.1"],
     extra_compile_args=["-O2", "-Wall", "-std=gnu11"],
 )
 

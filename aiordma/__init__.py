@@ -29,7 +29,7 @@ from ._api import (
     create_listener,
 )
 from ._attributes import TransportAttribute
-from ._memory import (
+from ._conn.memory import (
     BufferBusyError,
     MemoryStats,
     RegisteredBuffer,
@@ -38,7 +38,7 @@ from ._memory import (
     register,
     set_pinned_limit,
 )
-from ._onesided import (
+from ._proto.onesided import (
     DescriptorRevokedError,
     ForeignDescriptorError,
     RemoteAccessDeniedError,
@@ -46,7 +46,7 @@ from ._onesided import (
     RemoteBuffer,
     RemoteMemoryError,
 )
-from ._rdma.mempool import MemlockLimitError
+from ._errors import MemlockLimitError
 from ._rdma.config import RdmaBackend, RdmaConfig
 from ._errors import (
     AiordmaError,

@@ -13,7 +13,6 @@ connection, also when cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Coroutine, Mapping
@@ -24,20 +23,18 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio import BusyResourceError
 from anyio.abc import ByteStream, Listener, ObjectStream, SocketAttribute, TaskGroup
-from anyio.streams.tls import TLSListener
 
-from . import _remote
+from ._conn import remote as _remote
 from ._attributes import TransportAttribute
-from ._core import Core, Link
-from ._memory import RegisteredMemory
-from ._onesided import RemoteBuffer
-from ._errors import HandshakeError, RDMAUnavailableError
-from ._accept import Acceptor
-from ._admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
-from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._links import DEFAULT_KEEPALIVE, AsyncioLink, StreamLink, set_keepalive
-from ._negotiate import TransportChoice, client_handshake, local_offer, resolve_auth, resolve_transport, server_handshake
-from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, CloseCode, Connection, Mode, Role
+from ._conn.core import Core
+from ._conn.memory import RegisteredMemory
+from ._proto.onesided import RemoteBuffer
+from ._tcp.accept import Acceptor
+from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
+from ._handshake.limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
+from ._tcp.links import DEFAULT_KEEPALIVE
+from ._handshake.negotiate import Options, accept_handshake, connect_with, local_offer, make_options
+from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Mode
 from ._rdma.config import RdmaBackend
 from ._rdma.device import DeviceHold
 
@@ -55,69 +52,6 @@ __all__ = [
 log = logging.getLogger("aiordma")
 
 T = TypeVar("T")
-
-
-def running_on_asyncio() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-@dataclass(frozen=True)
-class Options:
-    transport: TransportChoice
-    ssl: _ssl.SSLContext | None = None
-    server_hostname: str | None = None
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
-    #: the RDMA backend (``aiordma.RdmaBackend``); None: the default one
-    backend: RdmaBackend | None = None
-    #: the pre-shared key of the handshake's authentication (None: none)
-    auth: bytes | None = None
-    #: a listener's limits and counters (None on clients)
-    budget: ListenerBudget | None = None
-    #: the bound on noticing a dead peer host (seconds; None: the OS's TCP defaults)
-    keepalive: float | None = DEFAULT_KEEPALIVE
-
-    def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
-        return Connection(
-            role, mode, now=now, max_message_size=self.max_message_size, handshake_timeout=self.handshake_timeout,
-            auth_key=self.auth,
-        )  # fmt: skip
-
-
-def make_options(
-    transport: str | None,
-    ssl: _ssl.SSLContext | bool | None,
-    server_hostname: str | None,
-    max_message_size: int,
-    handshake_timeout: float,
-    *,
-    server: bool,
-    backend: RdmaBackend | None = None,
-    auth: str | bytes | bool | None = None,
-    keepalive: float | None = DEFAULT_KEEPALIVE,
-    budget: ListenerBudget | None = None,
-) -> Options:
-    choice = resolve_transport(transport)
-    key = resolve_auth(auth)
-    context: _ssl.SSLContext | None
-    if ssl is True:
-        if server:
-            raise ValueError("a server needs an ssl.SSLContext with its certificate, not ssl=True")
-        context = _ssl.create_default_context()
-    elif ssl is False or ssl is None:
-        context = None
-    else:
-        context = ssl
-    if server_hostname is not None and context is None:
-        raise ValueError("server_hostname is only meaningful with ssl")
-    if keepalive is not None and keepalive <= 0:
-        raise ValueError("keepalive must be a positive number of seconds, or None")
-    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget,
-                   keepalive)  # fmt: skip
 
 
 class _Guard:
@@ -182,7 +116,7 @@ class _Endpoint:
         """Half-close: no more sends; receiving goes on."""
         await self._core.send_eof()
 
-    # -- one-sided remote memory (see aiordma._onesided and aiordma._remote) ----------------------
+    # -- one-sided remote memory (see aiordma._proto.onesided and aiordma._conn.remote) ----------------------
 
     def expose(
         self, buffer: Any, *, read: bool = True, write: bool = False, revoke_timeout: float = _remote.REVOKE_TIMEOUT
@@ -203,7 +137,7 @@ class _Endpoint:
         memory into ``into`` (RDMA READ; zero-copy when ``into`` is registered memory); returns
         the count.  Checked before anything is posted: a descriptor of another connection, a
         revoked one, an access not granted or a range outside raise a :class:`RemoteMemoryError`
-        and touch nothing.  Cancellation: see :mod:`aiordma._remote`."""
+        and touch nothing.  Cancellation: see :mod:`aiordma._conn.remote`."""
         return await _remote.read(self._core, remote, into, offset, length)
 
     async def write(self, remote: RemoteBuffer, data: Any, *, offset: int = 0, notify: bool = False) -> None:
@@ -299,65 +233,6 @@ class Channel(_Endpoint, ObjectStream[bytes]):
 
 
 
-async def _discard(core: Core) -> None:
-    """Release a connection whose setup failed (also under cancellation)."""
-    with anyio.CancelScope(shield=True):
-        await core.aclose()
-
-
-async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> bool:
-    """Run a server's handshake; a client that fails it is logged and dropped (False).
-
-    ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
-    set_keepalive(core.link, opts.keepalive)
-    try:
-        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend,
-                               budget=opts.budget)  # fmt: skip
-    except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
-        log.info("aiordma: dropped a client during the handshake: %s", exc)
-        if isinstance(exc, HandshakeError):
-            core.on_error(exc)  # (its CLOSE tells the client why: a timeout, a mismatch)
-        await _discard(core)
-        return False
-    except BaseException:
-        await _discard(core)
-        raise
-    if hold is not None and core.transport == "rdma":
-        hold.keep(core.link)
-    return True
-
-
-async def _open(host: str, port: int, mode: Mode, opts: Options) -> Core:
-    tls = opts.ssl is not None
-    offer = local_offer(opts.transport, "client", tls=tls, backend=opts.backend)  # strict policy: fail before connecting
-    link: Link
-    if running_on_asyncio():
-        loop = asyncio.get_running_loop()
-        proto = opts.protocol(Role.CLIENT, mode, loop.time())
-        _, link = await loop.create_connection(
-            lambda: AsyncioLink(proto, loop),
-            host,
-            port,
-            ssl=opts.ssl,
-            server_hostname=opts.server_hostname if tls else None,
-        )
-    else:
-        stream: ByteStream
-        if opts.ssl is not None:
-            stream = await anyio.connect_tcp(host, port, ssl_context=opts.ssl, tls_hostname=opts.server_hostname)
-        else:
-            stream = await anyio.connect_tcp(host, port)
-        link = StreamLink(stream, opts.protocol(Role.CLIENT, mode, anyio.current_time()))
-    core = link.core
-    set_keepalive(link, opts.keepalive)
-    try:
-        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer)
-    except BaseException:
-        await _discard(core)
-        raise
-    return core
-
-
 async def connect(
     host: str,
     port: int,
@@ -383,13 +258,12 @@ async def connect(
     ``rdma_backend`` (an :class:`aiordma.RdmaBackend`) sets the RDMA sizes and
     timeouts (``RdmaBackend(RdmaConfig(...))``); tests inject failing ones.
     """
-    opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-    )
-    return Stream(await _open(host, port, Mode.STREAM, opts))
+    core = await connect_with(
+        host, port, Mode.STREAM, transport, ssl=ssl, server_hostname=server_hostname,
+        max_message_size=DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout=handshake_timeout, backend=rdma_backend,
+        auth=auth, keepalive=keepalive,
+    )  # fmt: skip
+    return Stream(core)
 
 
 async def connect_channel(
@@ -410,19 +284,18 @@ async def connect_channel(
     ``max_message_size`` bounds the messages this side accepts (the peer's own
     limit bounds what we may send).  Other arguments as for :func:`connect`.
     """
-    opts = make_options(
-        transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-    )
-    return Channel(await _open(host, port, Mode.MESSAGES, opts))
+    core = await connect_with(
+        host, port, Mode.MESSAGES, transport, ssl=ssl, server_hostname=server_hostname,
+        max_message_size=max_message_size, handshake_timeout=handshake_timeout, backend=rdma_backend,
+        auth=auth, keepalive=keepalive,
+    )  # fmt: skip
+    return Channel(core)
 
 
 # -- listeners -------------------------------------------------------------------
 #
-# Accepting and admission (who gets a handshake, when) are aiordma._accept's and
-# aiordma._admission's: the same for these listeners and for aiordma.asyncio's servers.
+# Accepting and admission (who gets a handshake, when) are aiordma._tcp.accept's and
+# aiordma._proto.admission's: the same for these listeners and for aiordma.asyncio's servers.
 
 
 E = TypeVar("E", Stream, Channel)
@@ -516,7 +389,7 @@ async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options,
 
 @dataclass(frozen=True)
 class AdmissionOptions:
-    """A listener's admission settings (see :mod:`aiordma._admission`)."""
+    """A listener's admission settings (see :mod:`aiordma._proto.admission`)."""
 
     backlog: int = DEFAULT_BACKLOG
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES

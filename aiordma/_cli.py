@@ -115,7 +115,7 @@ def _version(dist: str) -> str | None:
 def _would_use(policy: str) -> dict[str, Any]:
     """What a client with this transport policy would do on this host."""
     from ._errors import RDMAUnavailableError
-    from ._negotiate import local_offer, resolve_transport
+    from ._handshake.negotiate import local_offer, resolve_transport
 
     try:
         choice = resolve_transport(policy)
@@ -147,7 +147,7 @@ def _readable_gid(raw: str) -> str:
 def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
     """Everything ``aiordma info`` prints, as a JSON-ready dict."""
     from . import __version__
-    from ._negotiate import resolve_transport
+    from ._handshake.negotiate import resolve_transport
     from ._rdma.discovery import probe
 
     try:
@@ -599,7 +599,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ._errors import AiordmaError, RDMAUnavailableError
-    from ._negotiate import resolve_transport
+    from ._handshake.negotiate import resolve_transport
 
     try:
         policy = resolve_transport(args.transport)

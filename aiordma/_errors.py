@@ -41,6 +41,7 @@ __all__ = [
     "HandshakeTimeoutError",
     "RDMAUnavailableError",
     "RDMAError",
+    "MemlockLimitError",
 ]
 
 
@@ -147,3 +148,7 @@ class PostError(RDMAError):
         super().__init__(err, call, f"posted {posted} of {total} work requests")
         self.posted = posted
         self.total = total
+
+
+class MemlockLimitError(RDMAError):
+    """Registering more memory would exceed (or hit) RLIMIT_MEMLOCK; the message says what to raise."""

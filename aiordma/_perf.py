@@ -32,8 +32,8 @@ from typing import Any
 import anyio
 
 from ._api import Channel, connect_channel, create_channel_listener
-from ._memory import RegisteredBuffer
-from ._onesided import RemoteBuffer
+from ._conn.memory import RegisteredBuffer
+from ._proto.onesided import RemoteBuffer
 from ._rdma.config import RdmaBackend, RdmaConfig
 from ._rdma.poller import POLL_MODES
 

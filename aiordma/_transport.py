@@ -1,6 +1,6 @@
 """asyncio's Transport/Protocol API over an aiordma connection (``aiordma.asyncio``).
 
-:class:`AiordmaTransport` is an ``asyncio.Transport`` on a :class:`~aiordma._core.Core`, TCP or
+:class:`AiordmaTransport` is an ``asyncio.Transport`` on a :class:`~aiordma._conn.core.Core`, TCP or
 RDMA alike.  It calls its protocol as asyncio's own TCP transport does:
 
 * ``connection_made(transport)`` first (before ``create_connection`` returns; on a server, once
@@ -43,9 +43,9 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._core import Core
-from ._links import write_chunks
-from ._protocol import Half, Mode
+from ._conn.core import Core
+from ._tcp.links import write_chunks
+from ._proto.protocol import Half, Mode
 
 __all__ = ["AiordmaTransport", "extra_info", "reset_error"]
 

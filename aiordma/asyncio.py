@@ -22,25 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import anyio
 
-from ._admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
-from ._accept import Acceptor
-from ._api import AdmissionOptions, Options, _make_acceptor, _open, accept_handshake, make_options
-from ._core import Core, Link
+from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
+from ._tcp.accept import Acceptor
+from ._api import AdmissionOptions, _make_acceptor
+from ._handshake.negotiate import Options, accept_handshake, make_options, open_client as _open
+from ._conn.core import Core, Link
 from ._errors import LocalProtocolError
-from ._limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._links import DEFAULT_KEEPALIVE, AsyncioLink, write_chunks
-from ._negotiate import local_offer
+from ._handshake.limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
+from ._tcp.links import DEFAULT_KEEPALIVE, AsyncioLink, write_chunks
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
 from ._transport import extra_info
 from ._transport import reset_error as _reset
 from ._rdma.device import DeviceHold
-from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Chunk, Half, Mode, Role
+from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Half, Mode
 
 __all__ = [
     "StreamReader",
@@ -361,7 +361,7 @@ class Server(asyncio.AbstractServer):
     handlers of accepted connections to finish.  A handler's exception is
     reported through the loop's exception handler (as asyncio does) and its
     connection is closed.  Accepting and admission are those of every aiordma listener
-    (:mod:`aiordma._accept`): no client is refused for a burst.
+    (:mod:`aiordma._tcp.accept`): no client is refused for a burst.
     """
 
     def __init__(self, acceptor: Acceptor, handle: Callable[[Core], Coroutine[Any, Any, None]], opts: Options,

@@ -27,11 +27,14 @@ import asyncio
 import ssl as _ssl
 from typing import Any
 
-from grpclib.client import Channel as _GrpclibChannel
-from grpclib.server import Server
+try:
+    from grpclib.client import Channel as _GrpclibChannel
+    from grpclib.server import Server
+except ImportError as _exc:  # pragma: no cover - depends on the install
+    raise ImportError(f"aiordma.grpc needs grpclib: pip install 'aiordma[grpc]' ({_exc})") from _exc
 
 from . import asyncio as _aa
-from ._protocol import DEFAULT_HANDSHAKE_TIMEOUT
+from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT
 from ._rdma.config import RdmaBackend
 
 __all__ = ["Channel", "start_server"]

@@ -35,7 +35,48 @@ def rdma_device_present() -> bool:
         return False
 
 
+#: the poll modes the conformance suite's ``rdma`` kind runs in besides the default
+POLL_MODE_IDS = ("rdma-checked", "rdma-adaptive", "rdma-busy")
+
+
+def _param_ids(item: pytest.Item) -> list[str]:
+    callspec = getattr(item, "callspec", None)
+    return str(callspec.id).split("-") if callspec is not None else []
+
+
+def guest_keeps(item: pytest.Item) -> bool:
+    """The guest stage's selection (``AIORDMA_IN_VM=1``, unless ``AIORDMA_GUEST_FULL=1``).
+
+    Under TCG the guest runs Python ~20x slower than the host, so there it runs each RDMA test
+    under asyncio, in the default poll mode; a test marked ``guest_loops(*loops)`` runs under
+    those loops too (all three when none is named), one marked ``guest_poll_modes`` in every
+    poll mode.  What is left out runs on the host over the simulated RC wire, which runs the same
+    code on every loop and in every mode (docs/testing.md lists each test and its counterpart)."""
+    if "rdma" not in item.keywords:
+        return True
+    ids = _param_ids(item)
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("anyio_backend") if callspec is not None else None
+    if backend is not None:
+        loop = ("uvloop" if backend[1] else "asyncio") if backend[0] == "asyncio" else backend[0]
+        if loop != "asyncio":
+            marker = item.get_closest_marker("guest_loops")
+            if marker is None or (marker.args and loop not in marker.args):
+                return False
+    joined = "-".join(ids)
+    if any(joined.endswith(mode) or f"{mode}-" in joined for mode in POLL_MODE_IDS):
+        if item.get_closest_marker("guest_poll_modes") is None:
+            return False
+    return True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("AIORDMA_IN_VM") == "1" and os.environ.get("AIORDMA_GUEST_FULL") != "1":
+        kept = [item for item in items if guest_keeps(item)]
+        left = [item for item in items if not guest_keeps(item)]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = kept
     if rdma_device_present():
         return
     skip = pytest.mark.skip(

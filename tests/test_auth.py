@@ -1,7 +1,7 @@
 """Handshake authentication (``auth=``, ``AIORDMA_AUTH``): a mutual HMAC-SHA-256 challenge and
 response over both sides' nonces, before the server builds anything RDMA for the client.
 
-The sans-IO part drives two :class:`~aiordma._protocol.Connection` objects by hand (right key,
+The sans-IO part drives two :class:`~aiordma._proto.protocol.Connection` objects by hand (right key,
 wrong key, a key on one side only, replayed and reflected proofs, malformed AUTH frames, random
 keys with hypothesis); the rest runs the real handshake over TCP and over the simulated RC wire
 (``rdma`` in the guest) with the anyio and asyncio front ends, and checks that a client without
@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aiordma
-import aiordma._negotiate as negotiate
+import aiordma._handshake.negotiate as negotiate
 from aiordma import AuthenticationError, RemoteProtocolError
-from aiordma._protocol import (
+from aiordma._proto.protocol import (
     AUTH_NONCE_SIZE,
     AuthChallenged,
     Authenticated,
@@ -34,7 +34,7 @@ from aiordma._protocol import (
     TransportSelected,
     frame,
 )
-from aiordma._states import Role, State
+from aiordma._proto.states import Role, State
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
 from ._leaks import no_fd_leak
@@ -172,7 +172,7 @@ def test_an_auth_frame_out_of_turn_is_a_protocol_error() -> None:
 
 
 def test_a_bad_nonce_extension_is_a_protocol_error() -> None:
-    from aiordma._protocol import EXT_AUTH_NONCE, EXTENSION, decode_hello, encode_hello, Hello
+    from aiordma._proto.protocol import EXT_AUTH_NONCE, EXTENSION, decode_hello, encode_hello, Hello
 
     good = encode_hello(Hello(mode=Mode.MESSAGES, auth_nonce=bytes(AUTH_NONCE_SIZE)))
     assert decode_hello(good).auth_nonce == bytes(AUTH_NONCE_SIZE)

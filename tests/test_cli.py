@@ -14,7 +14,7 @@ import pytest
 import aiordma
 from aiordma import _cli
 from aiordma._errors import RDMAUnavailableError
-from aiordma._negotiate import local_offer
+from aiordma._handshake.negotiate import local_offer
 
 SYSFS_IB = "/sys/class/infiniband"
 TIMEOUT = 120

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio import BrokenResourceError, EndOfStream
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import aiordma
@@ -182,6 +182,40 @@ async def test_close_gives_up_on_a_peer_that_takes_nothing(anyio_backend: Any, f
         assert error is not None
 
 
+@pytest.mark.parametrize("path", ["native", "checked"])
+@pytest.mark.parametrize("mode", ["stream", "channel"])
+@pytest.mark.parametrize("waits_for", ["credits", "rendezvous"])
+async def test_a_waiting_sender_fails_when_the_peer_closes(
+    anyio_backend: Any, fabric: SimFabric, path: str, mode: str, waits_for: str
+) -> None:
+    """The peer does not read, so our send waits -- for credits, or for room among the rendezvous
+    bytes in flight (the peer READs none of them); then the peer closes.  Its CLOSE comes in-band
+    and nothing will make room again: the waiting send fails at once (BrokenResourceError).
+    (The hang this guards against needed the peer's ACKs late too: the property's first
+    explicit example below forced it.)"""
+    rendezvous = (256 << 10) if waits_for == "rendezvous" else (64 << 20)
+    config = RdmaConfig(hot_path="checked" if path == "checked" else None, rendezvous=rendezvous)
+    async with no_fd_leak(), sim_pair(mode, fabric, config) as (client, server):
+        failed: list[BaseException] = []
+
+        async def sender() -> None:
+            try:
+                for _ in range(64):  # 64 x 1 MiB: past the window and the peer's receive high mark,
+                    await client.send(b"s" * (1 << 20))  # or past the rendezvous bytes in flight
+            except BrokenResourceError as exc:
+                failed.append(exc)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender)
+                await anyio.sleep(0.3)  # (the sender now waits for what the peer withholds)
+                assert not failed
+                started = time.monotonic()
+                await server.aclose()
+        assert failed, "the send did not fail"
+        assert time.monotonic() - started < 2
+
+
 # -- the property: any interleaving of sends, reads, EOF, close and delivery delays ---------------
 
 #: sizes across the thresholds of the wire (inline 256 B, a SEND slot 64 KiB, the rendezvous
@@ -221,6 +255,14 @@ PROPERTY = settings(
 @pytest.mark.parametrize("kind", ["sim", "sim-checked", "tcp", "memory"])
 @pytest.mark.parametrize("mode", ["stream", "channel"])
 @given(program=programs())
+@example(  # the peer's 16 MiB and 256 KiB rendezvous sends wait for room while the closer's ACKs
+    # come late; it closes: before the sender's wait checked for the peer's CLOSE, that send waited
+    # for ever (the test's 60 s)
+    program={"closer_sends": [0, 1], "peer_sends": [412, 16 << 20, 262145], "closer_eof_first": True,
+             "closer_reads": 3, "read_size": 1 << 20, "reader_pauses": [0.0228, 0.026, 0.0],
+             "holds": [("closer", "acks", 0.0584, 0.3), ("closer", "reads", 0.0687, 0.0),
+                       ("closer", "reads", 0.139, 0.139)]},
+)  # fmt: skip
 @PROPERTY
 async def test_the_peer_receives_exactly_what_the_closer_sent_then_eof(
     anyio_backend: Any, kind: str, mode: str, program: dict[str, Any]
@@ -311,6 +353,7 @@ async def test_the_peer_receives_exactly_what_the_closer_sent_then_eof(
 # -- on a real device (the guest stage: rxe) -------------------------------------------------------
 
 
+@pytest.mark.guest_loops("trio")
 @pytest.mark.rdma
 @pytest.mark.parametrize("mode", ["stream", "channel"])
 @pytest.mark.parametrize("closer", ["server", "client"])

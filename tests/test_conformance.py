@@ -158,6 +158,8 @@ async def test_transport_is_reported(kind: str) -> None:
         assert a.extra(aiordma.TransportAttribute.mode) == "stream"
 
 
+@pytest.mark.guest_loops
+@pytest.mark.guest_poll_modes
 async def test_stream_echo_round_trips(kind: str) -> None:
     async with streams(kind) as (a, b):
         for i in range(50):
@@ -183,6 +185,8 @@ async def test_any_chunking_of_writes_arrives_in_order(kind: str, chunks: list[b
             assert await read_to_eof(b) == b"".join(chunks)
 
 
+@pytest.mark.guest_loops("trio")
+@pytest.mark.guest_poll_modes
 async def test_large_transfer_intact(kind: str) -> None:
     data = os.urandom(8 << 20)
     async with streams(kind) as (a, b):
@@ -294,6 +298,7 @@ async def test_channel_eof_ends_iteration_and_reply_still_flows(kind: str) -> No
         assert await a.receive() == b"done"
 
 
+@pytest.mark.guest_loops("trio")
 async def test_close_while_receive_waits(kind: str) -> None:
     async with streams(kind) as (a, b):
         result: list[BaseException] = []

@@ -868,6 +868,7 @@ async def test_local_cluster_shuffle_matches_tcp(cluster_kind: str, monkeypatch:
     assert all(t == [k.transport] for t in used.values()), used
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (EXAMPLES / "dask_cluster.py").exists(), reason="no example")
 def test_example_with_worker_processes() -> None:
     """examples/dask_cluster.py: a LocalCluster of worker processes (each finds the backend
@@ -891,6 +892,7 @@ def test_example_with_worker_processes() -> None:
         assert all("no RDMA device" in line for line in fallbacks)
 
 
+@pytest.mark.slow
 def test_the_dask_command_line_on_rdma() -> None:
     """``dask scheduler --protocol rdma`` and ``dask worker rdma://...``, as a user starts them,
     and a client that computes on them (over the TCP fallback on this host)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aiordma._negotiate import local_offer
+from aiordma._handshake.negotiate import local_offer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 60

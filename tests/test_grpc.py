@@ -51,6 +51,7 @@ async def _run(net: Net, body: Any) -> None:
                 await asyncio.sleep(0.01)
 
 
+@pytest.mark.guest_loops("uvloop")
 @pytest.mark.parametrize("kind", KINDS)
 async def test_unary_and_streaming_calls(anyio_backend: Any, kind: str) -> None:
     net = Net(kind)

@@ -1,4 +1,4 @@
-"""The event-loop backends' timers and parking (aiordma/_io.py), under asyncio, uvloop and trio."""
+"""The event-loop backends' timers and parking (aiordma/_io/backends.py), under asyncio, uvloop and trio."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aiordma._io import current_io
+from aiordma._io.backends import current_io
 
 pytestmark = pytest.mark.anyio
 

@@ -110,6 +110,7 @@ def _line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     raise AssertionError("no output in time")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["idle", "sending"])
 @pytest.mark.parametrize("keepalive", ["2", "none"])
 def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, str, str, str], mode: str,

@@ -21,8 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma._admission import Admission
-from aiordma._limits import ListenerBudget, ring_bytes
+from aiordma._proto.admission import Admission
+from aiordma._handshake.limits import ListenerBudget, ring_bytes
 from aiordma.testing import SimFabric, SimProvider
 
 from ._leaks import no_fd_leak
@@ -171,6 +171,7 @@ async def one_echo(port: int) -> None:
         assert await ch.receive() == b"hi"
 
 
+@pytest.mark.slow
 async def test_a_thousand_clients_at_once_are_all_served(anyio_backend: Any) -> None:
     """A default listener; 1000 clients connect at the same moment: none is refused."""
     errors: list[BaseException] = []
@@ -192,6 +193,7 @@ async def test_a_thousand_clients_at_once_are_all_served(anyio_backend: Any) -> 
     assert not errors, f"{len(errors)} of 1000 failed, e.g. {errors[0]!r}"
 
 
+@pytest.mark.slow
 async def test_silent_sockets_never_keep_a_real_client_out(anyio_backend: Any) -> None:
     """300 sockets that never speak, closed and opened again every 2 s for 20 s; meanwhile a real
     client's connect, handshake and one echo take under 1 s, every time."""
@@ -263,7 +265,7 @@ async def test_one_address_cannot_take_every_handshake_slot(anyio_backend: Any) 
     """Clients from 127.0.0.2 that complete their HELLO and then stall (the listener has a key;
     they never answer its challenge) hold at most that address's share of the handshakes; a
     client from another address gets in at once."""
-    from aiordma._protocol import Connection, Mode, Role
+    from aiordma._proto.protocol import Connection, Mode, Role
 
     async with no_fd_leak(settle=5):
         async with await aiordma.create_channel_listener(

@@ -30,7 +30,7 @@ from aiordma import (
 )
 from aiordma.testing import stream_pair
 
-from aiordma._protocol import DEFAULT_MAX_MESSAGE_SIZE
+from aiordma._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
 from .test_conformance import KINDS, _pair_args
 from .test_conformance import channels as conformance_channels
@@ -326,7 +326,7 @@ def test_registered_buffer_basics() -> None:
 def test_the_pinned_limit_is_explained() -> None:
     aiordma.set_pinned_limit(4096)
     try:
-        from aiordma._memory import reserve_pinned
+        from aiordma._conn.memory import reserve_pinned
 
         with pytest.raises(aiordma.MemlockLimitError) as ei:
             reserve_pinned(8192)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma._errors import RemoteProtocolError
-from aiordma._onesided import (
+from aiordma._proto.onesided import (
     READ,
     WRITE,
     DescriptorRevokedError,

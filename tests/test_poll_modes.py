@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from aiordma import RdmaConfig
-from aiordma._io import current_io
+from aiordma._io.backends import current_io
 from aiordma._rdma.fastpath import native_lib
 from aiordma._rdma.poller import Poller
 from aiordma.testing import stream_pair

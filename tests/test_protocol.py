@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import HandshakeError, HandshakeTimeoutError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from aiordma._protocol import (
+from aiordma._proto.protocol import (
     CAP_RDMA,
     HEADER,
     MAGIC,
@@ -28,7 +28,7 @@ from aiordma._protocol import (
     encode_hello,
     frame,
 )
-from aiordma._states import HALF, HANDSHAKE, Half, Role, State
+from aiordma._proto.states import HALF, HANDSHAKE, Half, Role, State
 
 LIMIT = 64 * 1024
 

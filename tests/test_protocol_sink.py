@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import HandshakeError, ProtocolError
-from aiordma._protocol import (
+from aiordma._proto.protocol import (
     HEADER,
     MIN_FRAME_SIZE,
     Connection,
@@ -24,7 +24,7 @@ from aiordma._protocol import (
     Mode,
     frame,
 )
-from aiordma._states import Role
+from aiordma._proto.states import Role
 
 LIMIT = 64 * 1024
 

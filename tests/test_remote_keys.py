@@ -1,7 +1,7 @@
 """Remote keys are scoped to one connection, and live only while they are granted.
 
 A peer that drives its QP with raw verbs -- as any hostile peer can -- tries what the
-caller-side checks of ``aiordma._onesided`` never let honest code try: it copies another
+caller-side checks of ``aiordma._proto.onesided`` never let honest code try: it copies another
 connection's exposure (addr, rkey) into its own READ or WRITE, READs a rendezvous region after
 its RNDV_DONE, or an exposure after it was revoked.  The NIC must refuse each (the simulated wire
 enforces PD and memory-window scoping as rxe does): the hostile connection fails with a typed

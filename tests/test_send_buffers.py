@@ -3,7 +3,7 @@
 On Python 3.12+ asyncio's socket transport keeps a reference to the part of a write it could not
 send at once (3.11 copied it), and uvloop keeps the objects it is given: a reused ``bytearray``
 (or a ``RegisteredBuffer``) changed after ``await send()`` returned would change bytes not yet
-on the wire.  ``aiordma._links.write_chunks`` -- what every asyncio path writes through -- must
+on the wire.  ``aiordma._tcp.links.write_chunks`` -- what every asyncio path writes through -- must
 leave the transport only bytes that cannot change.  The transport here keeps references, as
 3.12's does; the RDMA links copy what they did not post (tests/test_rdma_transport.py)."""
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from aiordma._links import write_chunks
-from aiordma._protocol import HEADER, FrameType
+from aiordma._tcp.links import write_chunks
+from aiordma._proto.protocol import HEADER, FrameType
 
 
 class KeepingTransport(asyncio.WriteTransport):

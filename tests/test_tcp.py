@@ -14,8 +14,8 @@ from anyio import BrokenResourceError, EndOfStream
 from anyio.abc import SocketStream
 
 import aiordma
-from aiordma._protocol import HEADER, MAGIC, CloseCode, Connection, ConnectionClosed, FrameType, Mode, frame
-from aiordma._states import Role
+from aiordma._proto.protocol import HEADER, MAGIC, CloseCode, Connection, ConnectionClosed, FrameType, Mode, frame
+from aiordma._proto.states import Role
 
 from ._leaks import no_fd_leak
 
@@ -259,7 +259,7 @@ async def test_environment_variable_sets_the_default(anyio_backend: Any, monkeyp
 async def test_strict_server_refuses_a_tcp_only_client(anyio_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Pretend this host has RDMA on the server side only by making the server strict
     # on TLS-less RDMA while the client asks for TCP: the refusal must name the cause.
-    from aiordma import _negotiate
+    from aiordma._handshake import negotiate as _negotiate
 
     real = _negotiate.local_offer
 

@@ -37,7 +37,7 @@ import logging
 from typing import Any, Protocol
 
 from .._errors import RDMAError
-from .._io import IOBackend, Watch
+from .._io.backends import IOBackend, Watch
 from .constants import GidEntry, gid_bytes
 from .discovery import Probe
 from .liveness import ProbePlan

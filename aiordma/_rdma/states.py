@@ -1,4 +1,4 @@
-"""The life cycle of one RDMA connection, as a table (in the style of ``aiordma._states``).
+"""The life cycle of one RDMA connection, as a table (in the style of ``aiordma._proto.states``).
 
 ::
 

@@ -113,21 +113,41 @@ __all__ = [
 # --------------------------------------------------------------------------
 
 SYSFS_IB: Final = "/sys/class/infiniband"
-NOT_BUILT_REASON: Final = "native module not built (no libibverbs headers at install time)"
+NOT_BUILT_REASON: Final = "native module not built (it was installed with AIORDMA_NO_NATIVE, or without a C compiler)"
+#: the library the native module needs (by soname: it is linked against a stub, _native/build_verbs.py);
+#: loaded first here so that its absence is named as such
+LIBIBVERBS: Final = "libibverbs.so.1"
+
+
+def _load_libibverbs() -> str:
+    """Whether libibverbs loads (the native module needs it); the reason it cannot, named as such."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(LIBIBVERBS, mode=os.RTLD_NOW)
+    except OSError as exc:
+        return (
+            f"{LIBIBVERBS} cannot be loaded ({exc}): install libibverbs (Debian/Ubuntu: libibverbs1 and "
+            "ibverbs-providers; Fedora: libibverbs) for RDMA"
+        )
+    return ""
+
 
 _ffi: Any
 _lib: Any
-_IMPORT_REASON: str
+_IMPORT_REASON: str = _load_libibverbs()
 try:
+    if _IMPORT_REASON:
+        raise ImportError(_IMPORT_REASON)
     _mod = importlib.import_module("aiordma._verbs_cffi")
 except ModuleNotFoundError as _exc:
     _ffi = _lib = None
     _IMPORT_REASON = (
         NOT_BUILT_REASON if _exc.name == "aiordma._verbs_cffi" else f"native module cannot be loaded: {_exc}"
     )
-except ImportError as _exc:  # e.g. libibverbs.so.1 missing at run time
+except ImportError as _exc:  # libibverbs.so.1 missing at run time (said so above), or the module broken
     _ffi = _lib = None
-    _IMPORT_REASON = f"native module cannot be loaded: {_exc}"
+    _IMPORT_REASON = _IMPORT_REASON or f"native module cannot be loaded: {_exc}"
 else:
     _ffi, _lib = _mod.ffi, _mod.lib
     _IMPORT_REASON = ""

@@ -17,10 +17,10 @@ from anyio.abc import ByteStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._api import Channel, Stream, connect, connect_channel, create_channel_listener, create_listener
-from .._core import Core
-from .._links import StreamLink
-from .._negotiate import client_handshake, server_handshake
-from .._protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
+from .._conn.core import Core
+from .._tcp.links import StreamLink
+from .._handshake.negotiate import client_handshake, server_handshake
+from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from .._rdma.config import RdmaBackend
 from ._sim import simulated_backend
 

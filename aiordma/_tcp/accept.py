@@ -1,4 +1,4 @@
-"""Accepting connections: the I/O around :class:`~aiordma._admission.Admission`.
+"""Accepting connections: the I/O around :class:`~aiordma._proto.admission.Admission`.
 
 Every listener of aiordma -- the anyio ones (:func:`aiordma.create_listener`, channels, Dask's)
 and ``aiordma.asyncio``'s servers -- accepts through one :class:`Acceptor`, under asyncio,
@@ -25,17 +25,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.tls import TLSStream
 
-from ._admission import Admission, Decision
-from ._core import Core, Link
-from ._links import AsyncioLink, StreamLink
-from ._protocol import Mode, Role
+from .._proto.admission import Admission, Decision
+from .._conn.core import Core, Link
+from .links import AsyncioLink, StreamLink
+from .._proto.protocol import Mode, Role
 
 __all__ = ["Acceptor", "Spawn"]
 

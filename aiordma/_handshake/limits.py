@@ -1,5 +1,5 @@
 """What one listener may spend on its RDMA clients: RDMA connections, and the registered (pinned)
-memory of their rings.  (Handshakes in progress are the admission's: :mod:`aiordma._admission`.)
+memory of their rings.  (Handshakes in progress are the admission's: :mod:`aiordma._proto.admission`.)
 
 A TCP connection costs the server a socket and a protocol object; an RDMA connection costs a
 queue pair, a completion queue share and its registered rings (``(2 * window + control) *
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._rdma.config import RdmaConfig
+from .._rdma.config import RdmaConfig
 
 __all__ = ["ListenerBudget", "ring_bytes"]
 
@@ -40,7 +40,7 @@ def ring_bytes(config: RdmaConfig) -> int:
 
 def default_pinned_bytes() -> int:
     """A listener's default ``max_pinned_bytes``: half of what this process may pin."""
-    from ._memory import pinned_limit
+    from .._conn.memory import pinned_limit
 
     return pinned_limit() // 2
 

@@ -4,7 +4,7 @@
 and gives bytes and events out.  It imports nothing that does I/O: the TCP
 transport, the RDMA transport and the tests all drive the same object.  The
 format is written down in ``docs/protocol.md``; the state machines are the
-tables in :mod:`aiordma._states`.
+tables in :mod:`aiordma._proto.states`.
 
 Theory of operation
 -------------------
@@ -44,8 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, Union
 
-from ._errors import AuthenticationError, HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
-from ._states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
+from .._errors import AuthenticationError, HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
+from .states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
 
 __all__ = [
     "MAGIC",
@@ -130,7 +130,7 @@ class FrameType(enum.IntEnum):
     EOF = 0x12
     CLOSE = 0x13
     #: one-sided memory: exposures, their revocation, and READ/WRITE served over TCP
-    #: (the payload is :mod:`aiordma._onesided`'s)
+    #: (the payload is :mod:`aiordma._proto.onesided`'s)
     MEMORY = 0x14
 
 
@@ -215,7 +215,7 @@ class Message:
 
 @dataclass(slots=True)
 class MemoryFrame:
-    """A MEMORY frame's payload (for :mod:`aiordma._onesided`)."""
+    """A MEMORY frame's payload (for :mod:`aiordma._proto.onesided`)."""
 
     payload: bytes
 
@@ -266,7 +266,7 @@ _pack_u64: Final = struct.Struct("!Q").pack
 _DATA_HEADER: Final = _DATA_WORD << 32
 #: ... and of a valid MESSAGE header
 _MESSAGE_WORD: Final = _T_MESSAGE << 24
-#: the op byte of a rendezvous MEMORY frame (aiordma._onesided)
+#: the op byte of a rendezvous MEMORY frame (aiordma._proto.onesided)
 _MEMORY_RNDV: Final = 9
 
 
@@ -725,7 +725,7 @@ class Connection:
         return self._parse()
 
     def send_memory(self, payload: bytes) -> bytes:
-        """A MEMORY frame (one-sided memory; see :mod:`aiordma._onesided`)."""
+        """A MEMORY frame (one-sided memory; see :mod:`aiordma._proto.onesided`)."""
         self._check_alive()
         if self.state is not State.OPEN or self.close_sent:
             raise LocalProtocolError(f"cannot send a MEMORY frame in state {self.state.value}")

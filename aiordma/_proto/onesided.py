@@ -50,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-from ._errors import AiordmaError, RemoteProtocolError
+from .._errors import AiordmaError, RemoteProtocolError
 
 __all__ = [
     "READ",
@@ -65,6 +65,9 @@ __all__ = [
     "Exposure",
     "Rendezvous",
 ]
+
+#: The largest piece of a byte stream one rendezvous carries (a larger write is split).
+STREAM_RENDEZVOUS_MAX = 64 << 20
 
 READ: Final = 1
 WRITE: Final = 2

@@ -23,24 +23,37 @@ The default comes from the environment variable ``AIORDMA_TRANSPORT`` (then
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl as _ssl
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import anyio
 
 from collections.abc import Callable
 
-from ._core import Core
-from ._limits import ListenerBudget, ring_bytes
-from ._errors import AuthenticationError, HandshakeError, RDMAUnavailableError
-from ._protocol import CAP_RDMA, AuthChallenged, Authenticated, CloseCode, Event, HelloReceived, TransportSelected
-from ._rdma.config import RdmaBackend, RdmaSetupError
+from .._conn.core import Core
+from .limits import ListenerBudget, ring_bytes
+from .._errors import AuthenticationError, HandshakeError, RDMAUnavailableError
+from .._proto.protocol import (
+    CAP_RDMA, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, AuthChallenged, Authenticated, CloseCode,
+    Connection, Event, HelloReceived, Mode, Role, TransportSelected,
+)  # fmt: skip
+from .._rdma.device import DeviceHold
+from .._tcp.links import DEFAULT_KEEPALIVE, open_tcp_link, set_keepalive
+from .._rdma.config import RdmaBackend, RdmaSetupError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._rdma.link import RdmaLink
+    from .._rdma.link import RdmaLink
 
 __all__ = [
+    "Options",
+    "make_options",
+    "open_client",
+    "connect_with",
+    "accept_handshake",
     "TransportChoice",
     "resolve_transport",
     "resolve_auth",
@@ -54,6 +67,8 @@ TransportChoice = Literal["auto", "rdma", "tcp"]
 _CHOICES: tuple[TransportChoice, ...] = ("auto", "rdma", "tcp")
 
 E = TypeVar("E", HelloReceived, AuthChallenged, Authenticated, TransportSelected)
+
+log = logging.getLogger("aiordma")
 
 
 def resolve_transport(transport: str | None) -> TransportChoice:
@@ -153,7 +168,7 @@ async def _refuse(core: Core, reason: str) -> None:
 
 def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[RdmaLink | None, str]:
     """Prepare an RDMA link behind the TCP link's local address, or say why not."""
-    from ._rdma.link import RdmaLink, local_ip_of  # the native module loads only when RDMA is offered
+    from .._rdma.link import RdmaLink, local_ip_of  # the native module loads only when RDMA is offered
 
     try:
         return RdmaLink.prepare(backend or RdmaBackend(), local_ip_of(core.link)), ""
@@ -162,7 +177,7 @@ def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[
 
 
 def _peer_ip(core: Core) -> str | None:
-    from ._rdma.link import peer_ip_of
+    from .._rdma.link import peer_ip_of
 
     return peer_ip_of(core.link)
 
@@ -298,3 +313,116 @@ async def server_handshake(
             await endpoint.discard()
         if release is not None:
             release()
+
+
+# -- the options of a connection or listener, and opening a client connection ------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    transport: TransportChoice
+    ssl: _ssl.SSLContext | None = None
+    server_hostname: str | None = None
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: the RDMA backend (``aiordma.RdmaBackend``); None: the default one
+    backend: RdmaBackend | None = None
+    #: the pre-shared key of the handshake's authentication (None: none)
+    auth: bytes | None = None
+    #: a listener's limits and counters (None on clients)
+    budget: ListenerBudget | None = None
+    #: the bound on noticing a dead peer host (seconds; None: the OS's TCP defaults)
+    keepalive: float | None = DEFAULT_KEEPALIVE
+
+    def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
+        return Connection(
+            role, mode, now=now, max_message_size=self.max_message_size, handshake_timeout=self.handshake_timeout,
+            auth_key=self.auth,
+        )  # fmt: skip
+
+
+def make_options(
+    transport: str | None,
+    ssl: _ssl.SSLContext | bool | None,
+    server_hostname: str | None,
+    max_message_size: int,
+    handshake_timeout: float,
+    *,
+    server: bool,
+    backend: RdmaBackend | None = None,
+    auth: str | bytes | bool | None = None,
+    keepalive: float | None = DEFAULT_KEEPALIVE,
+    budget: ListenerBudget | None = None,
+) -> Options:
+    choice = resolve_transport(transport)
+    key = resolve_auth(auth)
+    context: _ssl.SSLContext | None
+    if ssl is True:
+        if server:
+            raise ValueError("a server needs an ssl.SSLContext with its certificate, not ssl=True")
+        context = _ssl.create_default_context()
+    elif ssl is False or ssl is None:
+        context = None
+    else:
+        context = ssl
+    if server_hostname is not None and context is None:
+        raise ValueError("server_hostname is only meaningful with ssl")
+    if keepalive is not None and keepalive <= 0:
+        raise ValueError("keepalive must be a positive number of seconds, or None")
+    return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget,
+                   keepalive)  # fmt: skip
+
+
+async def _discard(core: Core) -> None:
+    """Release a connection whose setup failed (also under cancellation)."""
+    with anyio.CancelScope(shield=True):
+        await core.aclose()
+
+
+async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> bool:
+    """Run a server's handshake; a client that fails it is logged and dropped (False).
+
+    ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
+    set_keepalive(core.link, opts.keepalive)
+    try:
+        await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend,
+                               budget=opts.budget)  # fmt: skip
+    except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
+        log.info("aiordma: dropped a client during the handshake: %s", exc)
+        if isinstance(exc, HandshakeError):
+            core.on_error(exc)  # (its CLOSE tells the client why: a timeout, a mismatch)
+        await _discard(core)
+        return False
+    except BaseException:
+        await _discard(core)
+        raise
+    if hold is not None and core.transport == "rdma":
+        hold.keep(core.link)
+    return True
+
+
+async def open_client(host: str, port: int, mode: Mode, opts: Options) -> Core:
+    """Connect to an aiordma listener and run the client's handshake: the open connection's Core
+    (the strict policy fails before connecting when this host cannot do RDMA)."""
+    tls = opts.ssl is not None
+    offer = local_offer(opts.transport, "client", tls=tls, backend=opts.backend)
+    link = await open_tcp_link(host, port, partial(opts.protocol, Role.CLIENT, mode), ssl=opts.ssl,
+                               server_hostname=opts.server_hostname, keepalive=opts.keepalive)  # fmt: skip
+    core = link.core
+    try:
+        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer)
+    except BaseException:
+        await _discard(core)
+        raise
+    return core
+
+
+async def connect_with(host: str, port: int, mode: Mode, transport: str | None, *, ssl: _ssl.SSLContext | bool | None,
+                       server_hostname: str | None, max_message_size: int, handshake_timeout: float,
+                       backend: RdmaBackend | None, auth: str | bytes | bool | None,
+                       keepalive: float | None) -> Core:  # fmt: skip
+    """``aiordma.connect``'s and ``connect_channel``'s work: the options checked, then
+    :func:`open_client`."""
+    opts = make_options(transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False,
+                        backend=backend, auth=auth, keepalive=keepalive)  # fmt: skip
+    return await open_client(host, port, mode, opts)

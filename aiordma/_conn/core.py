@@ -1,6 +1,6 @@
 """The connection core shared by every front end and every transport.
 
-A :class:`Core` owns one sans-IO :class:`~aiordma._protocol.Connection` and
+A :class:`Core` owns one sans-IO :class:`~aiordma._proto.protocol.Connection` and
 the receive buffers, and sits on a :class:`Link` that moves the bytes (a TCP
 socket through an asyncio protocol, an anyio byte stream under trio, an
 in-memory pipe in tests; the RDMA link later).  Front ends -- the anyio
@@ -44,10 +44,10 @@ from typing import Any
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
-from ._errors import AuthenticationError, BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._io import IOBackend, Watch, current_checkpoint
-from ._onesided import OneSided
-from ._protocol import (
+from .._errors import AuthenticationError, BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
+from .._io.backends import IOBackend, Watch, current_checkpoint
+from .._proto.onesided import STREAM_RENDEZVOUS_MAX, OneSided
+from .._proto.protocol import (
     Chunk,
     CloseCode,
     Connection,
@@ -69,8 +69,6 @@ _OPEN = Half.OPEN
 #: A push link stops reading from the socket when this many received bytes
 #: wait in the Core, and reads again below a quarter of it.
 RECEIVE_HIGH_WATER = 1 << 20
-#: The largest piece of a byte stream one rendezvous carries (a larger write is split).
-STREAM_RENDEZVOUS_MAX = 64 << 20
 
 
 class Link(abc.ABC):
@@ -151,6 +149,16 @@ class Link(abc.ABC):
     async def wait_closed(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
 
+    # -- rendezvous (a link that sets ``Core.rndv_min``: the RDMA link) ------------------------
+
+    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` (a message, or stream bytes) by rendezvous: staged, READ by the peer."""
+        raise NotImplementedError(f"{type(self).__name__} has no rendezvous")
+
+    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
+        """READ a rendezvous message: into ``view`` (returns its length) or new ``bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no rendezvous")
+
     def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
         """Another link (RDMA) takes the Core over; this one only watches the connection:
         ``on_control(data)`` gets whatever bytes it still carries (after the switch that is only
@@ -180,7 +188,7 @@ class Core:
         self.fallback_reason = ""
         #: a schedule point and cancel point of the running loop (asyncio.sleep(0) or trio's)
         self.checkpoint: Callable[[], Awaitable[None]] = current_checkpoint()
-        #: one-sided memory (created on first use, see aiordma._onesided)
+        #: one-sided memory (created on first use, see aiordma._proto.onesided)
         self._memory: OneSided | None = None
         #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
         self.rndv_min = 1 << 62
@@ -368,9 +376,8 @@ class Core:
             await self.link.incoming()
         data = messages.popleft()
         if data.__class__ is not bytes:  # a rendezvous: READ it now
-            from ._remote import fetch_rendezvous
-
-            return await fetch_rendezvous(self, data)  # type: ignore[return-value]
+            got: bytes = await self.link.fetch_rendezvous(data)
+            return got
         messages.nbytes -= len(data)
         if self.link.needs_consumed:
             self.link.consumed()
@@ -408,9 +415,8 @@ class Core:
             if rv.length > view.nbytes:
                 raise BufferTooSmallError(rv.length, view.nbytes)
             messages.popleft()
-            from ._remote import fetch_rendezvous
-
-            return await fetch_rendezvous(self, rv, view)  # type: ignore[return-value]
+            n_got: int = await self.link.fetch_rendezvous(rv, view)
+            return n_got
         n = len(data)
         if n > view.nbytes:
             raise BufferTooSmallError(n, view.nbytes)
@@ -425,19 +431,12 @@ class Core:
         await self.checkpoint()  # a cancel point and a schedule point, before anything is sent
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
+        if len(data) >= self.rndv_min:  # (a link that can stage it: rndv_min is set then)
+            await self.link.send_rendezvous(data)
+            return
         if self.proto.mode is Mode.MESSAGES:
-            if len(data) >= self.rndv_min:
-                from ._remote import send_rendezvous
-
-                await send_rendezvous(self, data)
-                return
             chunks = self.proto.send_message(data)
         else:
-            if len(data) >= self.rndv_min:
-                from ._remote import send_rendezvous
-
-                await send_rendezvous(self, data)
-                return
             chunks = self.proto.send_data(data)
         if chunks:
             await self.link.send(chunks)

@@ -44,10 +44,11 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from ._errors import AiordmaError
+from .._errors import AiordmaError, MemlockLimitError
 
 __all__ = [
     "BufferBusyError",
@@ -148,7 +149,6 @@ def reserve_pinned(nbytes: int) -> None:
     """Count ``nbytes`` more pinned bytes (a registration); raises past the limit."""
     limit = _state.get_limit()
     if _state.pinned + nbytes > limit:
-        from ._rdma.mempool import MemlockLimitError, memlock_advice
 
         raise MemlockLimitError(
             12,  # ENOMEM
@@ -164,6 +164,42 @@ def reserve_pinned(nbytes: int) -> None:
 def release_pinned(nbytes: int) -> None:
     _state.pinned -= nbytes
     _state.registrations -= 1
+
+
+def _fmt_bytes(n: int) -> str:
+    if n == resource.RLIM_INFINITY or n < 0:
+        return "unlimited"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _getrlimit() -> tuple[int, int]:
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
+def memlock_advice(
+    wanted: int, already: int = 0, limits: Callable[[], tuple[int, int]] = _getrlimit
+) -> str:
+    """A plain-words explanation of an RLIMIT_MEMLOCK problem and how to fix it."""
+    soft, hard = limits()
+    need = already + wanted
+    need_kib = (need + 1023) // 1024
+    text = (
+        f"cannot register {_fmt_bytes(wanted)} more memory for RDMA "
+        f"({_fmt_bytes(already)} already registered): RDMA pins registered memory in RAM, "
+        f"and pinned memory counts against the locked-memory limit RLIMIT_MEMLOCK, which is "
+        f"{_fmt_bytes(soft)} (soft) / {_fmt_bytes(hard)} (hard) for this process. "
+        f"Raise it to at least {need_kib} KiB, or to unlimited: `ulimit -l unlimited` in the "
+        "shell that starts the program (as root, or up to the hard limit), "
+        "'* - memlock unlimited' in /etc/security/limits.conf, LimitMEMLOCK=infinity in a "
+        "systemd unit, or `--ulimit memlock=-1` with docker. Or lower aiordma.set_pinned_limit's limit."
+    )
+    if hard != resource.RLIM_INFINITY and need > hard:
+        text += " The hard limit is too low as well, so only root (or the system configuration) can raise it."
+    return text
+
 
 
 class RegisteredMemory:

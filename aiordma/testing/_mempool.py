@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
-from .._errors import AiordmaError, RDMAError
+from .._errors import AiordmaError, MemlockLimitError, RDMAError
+from .._conn.memory import _fmt_bytes, _getrlimit, memlock_advice
 
 __all__ = [
     "MemlockLimitError",
@@ -99,10 +100,6 @@ class PoolExhaustedError(AiordmaError, BufferError):
     """Every slot is in use and the pool reached ``max_bytes``."""
 
 
-class MemlockLimitError(RDMAError):
-    """Registering more memory would exceed (or hit) RLIMIT_MEMLOCK; the message says what to raise."""
-
-
 class Region(Protocol):
     """What a registrar returns: one registered, page-aligned buffer."""
 
@@ -124,9 +121,9 @@ Registrar = Callable[[int], Region]
 
 def pd_registrar(pd: Any, access: int | None = None) -> Registrar:
     """A registrar that allocates and registers regions on a verbs ProtectionDomain."""
-    from . import verbs as _verbs
+    from .._rdma import verbs as _verbs
 
-    from .constants import DEFAULT_MR_ACCESS
+    from .._rdma.constants import DEFAULT_MR_ACCESS
 
     acc = DEFAULT_MR_ACCESS if access is None else access
 
@@ -135,41 +132,6 @@ def pd_registrar(pd: Any, access: int | None = None) -> Registrar:
         return mr
 
     return register
-
-
-def _fmt_bytes(n: int) -> str:
-    if n == resource.RLIM_INFINITY or n < 0:
-        return "unlimited"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _getrlimit() -> tuple[int, int]:
-    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
-
-
-def memlock_advice(
-    wanted: int, already: int = 0, limits: Callable[[], tuple[int, int]] = _getrlimit
-) -> str:
-    """A plain-words explanation of an RLIMIT_MEMLOCK problem and how to fix it."""
-    soft, hard = limits()
-    need = already + wanted
-    need_kib = (need + 1023) // 1024
-    text = (
-        f"cannot register {_fmt_bytes(wanted)} more memory for RDMA "
-        f"({_fmt_bytes(already)} already registered): RDMA pins registered memory in RAM, "
-        f"and pinned memory counts against the locked-memory limit RLIMIT_MEMLOCK, which is "
-        f"{_fmt_bytes(soft)} (soft) / {_fmt_bytes(hard)} (hard) for this process. "
-        f"Raise it to at least {need_kib} KiB, or to unlimited: `ulimit -l unlimited` in the "
-        "shell that starts the program (as root, or up to the hard limit), "
-        "'* - memlock unlimited' in /etc/security/limits.conf, LimitMEMLOCK=infinity in a "
-        "systemd unit, or `--ulimit memlock=-1` with docker. Or lower the pool's max_bytes."
-    )
-    if hard != resource.RLIM_INFINITY and need > hard:
-        text += " The hard limit is too low as well, so only root (or the system configuration) can raise it."
-    return text
 
 
 @dataclass(frozen=True, slots=True)

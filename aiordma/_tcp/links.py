@@ -25,12 +25,12 @@ import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 from anyio.abc import ByteStream, SocketAttribute
 
-from ._core import RECEIVE_HIGH_WATER, Core, Link
-from ._errors import HandshakeError, ProtocolError
-from ._io import IOBackend, Watch
-from ._protocol import Chunk, CloseCode, Connection
+from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._errors import HandshakeError, ProtocolError
+from .._io.backends import IOBackend, Watch
+from .._proto.protocol import Chunk, CloseCode, Connection
 
-__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive"]
+__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive", "open_tcp_link", "running_on_asyncio"]
 
 log = logging.getLogger("aiordma")
 
@@ -772,3 +772,37 @@ class StreamLink(Link):
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         return self.stream.extra_attributes
+
+
+def running_on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def open_tcp_link(
+    host: str, port: int, make_protocol: Callable[[float], Connection], *, ssl: Any = None,
+    server_hostname: str | None = None, keepalive: float | None = None,
+) -> Link:
+    """Connect over TCP (TLS with ``ssl``): the link of this event loop (asyncio: an
+    :class:`AsyncioLink`; trio: a :class:`StreamLink` on anyio's socket) with a Core on the
+    protocol object ``make_protocol(now)`` makes, and ``keepalive`` set (:func:`set_keepalive`)."""
+    link: Link
+    if running_on_asyncio():
+        loop = asyncio.get_running_loop()
+        proto = make_protocol(loop.time())
+        _, link = await loop.create_connection(
+            lambda: AsyncioLink(proto, loop), host, port, ssl=ssl,
+            server_hostname=server_hostname if ssl is not None else None,
+        )  # fmt: skip
+    else:
+        stream: ByteStream
+        if ssl is not None:
+            stream = await anyio.connect_tcp(host, port, ssl_context=ssl, tls_hostname=server_hostname)
+        else:
+            stream = await anyio.connect_tcp(host, port)
+        link = StreamLink(stream, make_protocol(anyio.current_time()))
+    set_keepalive(link, keepalive)
+    return link

@@ -1,6 +1,6 @@
 """Every state machine of the aiordma protocol, as data.
 
-Two tables drive :class:`aiordma._protocol.Connection`:
+Two tables drive :class:`aiordma._proto.protocol.Connection`:
 
 * ``HANDSHAKE`` -- the connection as a whole, from the first byte to ``OPEN`` and
   ``CLOSED``.  A client sends HELLO, reads the server's HELLO and then SELECTs

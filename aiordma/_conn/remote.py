@@ -1,6 +1,6 @@
-"""One-sided operations over a :class:`~aiordma._core.Core`: the thin async glue.
+"""One-sided operations over a :class:`~aiordma._conn.core.Core`: the thin async glue.
 
-The rules live in :mod:`aiordma._onesided` (sans I/O); this module sends its
+The rules live in :mod:`aiordma._proto.onesided` (sans I/O); this module sends its
 frames and waits.  Over an RDMA link (native data path) ``read``/``write``
 are RDMA READ/WRITE work requests (:meth:`RdmaLink.rdma`); over TCP, or an
 RDMA connection on the checked data path, the peer's aiordma serves them
@@ -23,10 +23,10 @@ from typing import Any
 
 import anyio
 
-from ._core import STREAM_RENDEZVOUS_MAX, Core
-from ._protocol import Mode
-from ._memory import RegisteredMemory
-from ._onesided import READ, WRITE, Exposure, RemoteBuffer
+from .core import Core
+from .._proto.protocol import Mode
+from .memory import RegisteredMemory
+from .._proto.onesided import READ, STREAM_RENDEZVOUS_MAX, WRITE, Exposure, RemoteBuffer
 
 __all__ = ["expose", "read", "write", "written", "REVOKE_TIMEOUT"]
 
@@ -250,7 +250,7 @@ async def send_rendezvous(core: Core, data: Any) -> None:
             await _stage_and_announce(core, view[pos : pos + piece])
         return
     if n > proto.peer_max_message:
-        from ._errors import LocalProtocolError
+        from .._errors import LocalProtocolError
 
         raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
     await _stage_and_announce(core, view)

@@ -1,0 +1,440 @@
+"""What a peer reaches of ours, and we of it, on one RDMA connection: one-sided READ and WRITE,
+the grants that scope remote keys to this connection's QP, and rendezvous (staging, granting,
+fetching).  A part of :class:`~aiordma._rdma.link.RdmaLink` (its data path's remote half; the
+link's set-up, send path and teardown are in ``link.py``).
+
+Ownership: the local memory of an operation is the device's from its post until its completion
+is polled.  A cancelled operation therefore waits (shielded) for that completion before it lets
+the cancellation through: a posted WR always completes -- done, failed, or flushed once the QP is
+in ERROR -- or the QP is destroyed, after which the device touches nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio import BrokenResourceError
+
+from .._conn import remote as _remote
+from .._conn.core import RECEIVE_HIGH_WATER, Core
+from .._conn.memory import count_staged, find_registered, release_pinned, reserve_pinned
+from .._errors import RDMAError
+from .._proto.onesided import READ, WRITE, RemoteMemoryError
+from .constants import Access, WCStatus, wc_status_name
+
+__all__ = ["RemoteOps"]
+
+#: one-sided operations: the largest piece one work request moves, and the staging size for
+#: memory outside any registration
+MAX_RDMA_MESSAGE = 1 << 30
+STAGE = 4 << 20
+#: a rendezvous message up to this size is READ into one staging region (larger: in STAGE pieces)
+STAGE_BYTES_MAX = 64 << 20
+
+
+class _Exposed:
+    """One exposure of this connection: its region, the window that grants it, what to announce."""
+
+    __slots__ = ("region", "nbytes", "window", "rkey")
+
+    def __init__(self, region: Any, nbytes: int) -> None:
+        self.region = region
+        self.nbytes = nbytes
+        self.window: Any = None
+        self.rkey = 0
+
+    @property
+    def addr(self) -> int:
+        return int(self.region.addr)
+
+
+
+class RemoteOps:
+    """The remote half of an RDMA link (see the module docs); mixed into ``RdmaLink``."""
+
+    if TYPE_CHECKING:  # (what the link has)
+        core: Core
+        session: Any
+        scope: Any
+        qp: Any
+        device: Any
+        _native: bool
+        _active: bool
+        _qp_access: int
+        _exposed: dict[int, _Exposed]
+        _rndv_held: dict[int, tuple[Any, Any]]
+        _rndv_free: dict[int, list[Any]]
+        rndv_staged: int
+        rndv_limit: int
+        _stream_fetch: list[Any] | None
+        _os_done: dict[int, int]
+        os_inflight: set[int]
+        needs_consumed: bool
+
+        def _want_sends(self) -> bool: ...
+        def _unwant_sends(self, wanted: bool) -> None: ...
+        def _wait(self) -> Awaitable[Any]: ...
+        def _wake_all(self) -> None: ...
+        def _check_usable(self) -> None: ...
+        def _broke(self) -> None: ...
+
+    # -- one-sided RDMA READ / WRITE (the native path) ----------------------------------------
+    #
+    # Ownership: the local memory of an operation is the device's from its post until its
+    # completion is polled.  A cancelled operation therefore waits (shielded) for that
+    # completion before it lets the cancellation through: a posted WR always completes --
+    # done, failed, or flushed once the QP is in ERROR -- or the QP is destroyed, after which
+    # the device touches nothing.
+
+    # -- grants: what the peer may reach, through this QP only (device.py, "Remote keys") ------
+
+    def _allow(self, access: int) -> None:
+        """Our QP lets the peer do ``access`` (REMOTE_READ / REMOTE_WRITE) from now on."""
+        want = self._qp_access | (access & (Access.REMOTE_READ | Access.REMOTE_WRITE))
+        if want != self._qp_access and self.qp is not None:
+            self.qp.set_access(want)
+            self._qp_access = want
+
+    async def _grant(self, mr: Any, addr: int, length: int, access: int) -> tuple[Any, int]:
+        """Let the peer reach ``[addr, addr + length)`` of ``mr`` with ``access``, through this QP
+        only: ``(window, rkey)``; the window is None in a connection's own PD (the region's rkey
+        is the grant).  Returns once the grant is in force (the window's bind completed)."""
+        self._allow(access)
+        scope = self.scope
+        if not scope.windows:
+            return None, int(mr.rkey)
+        mw = scope.pd.alloc_mw()
+        try:
+            session = self.session
+
+            def post() -> int:
+                seq: int
+                seq, wr_id = session.reserve_wr()
+                if seq:
+                    try:
+                        self.qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
+                    except (RDMAError, OSError) as exc:
+                        session.fail(exc)  # (a refused post: the QP's state is unknown)
+                        self._broke()
+                        raise BrokenResourceError(f"granting remote access failed: {exc}") from exc
+                return seq
+
+            status = await self._post_and_wait(post)
+            if status:
+                raise RemoteMemoryError(f"binding a memory window failed: {wc_status_name(status)}")
+        except BaseException:
+            mw.close()  # (its bind completed, or was never posted, or the QP is gone)
+            raise
+        return mw, int(mw.rkey)
+
+    @staticmethod
+    def _revoke(window: Any) -> None:
+        """End a grant: the window's rkey is dead when this returns (``ibv_dealloc_mw``)."""
+        if window is not None:
+            window.close()
+
+    async def expose_region(self, view: memoryview, access: int) -> Any:
+        """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted);
+        the returned exposure has the ``addr`` and ``rkey`` to announce."""
+        device = self.device
+        if device is None or device.closed or self.scope is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        flags = (Access.REMOTE_READ if access & READ else 0) | (Access.REMOTE_WRITE if access & WRITE else 0)
+        reserve_pinned(view.nbytes)
+        try:
+            region = self.scope.register_exposed(view, flags)
+        except BaseException:
+            release_pinned(view.nbytes)
+            raise
+        exposed = _Exposed(region, view.nbytes)
+        self._exposed[id(exposed)] = exposed
+        try:
+            exposed.window, exposed.rkey = await self._grant(region, int(region.addr), view.nbytes, flags)
+        except BaseException:
+            self.release_region(exposed)
+            raise
+        return exposed
+
+    def release_region(self, exposed: Any) -> None:
+        """End an exposure (after the revocation; idempotent): its window dies, then its region
+        is deregistered.  A region whose deregistration fails stays listed (the teardown tries
+        again); its window is dead already, so nothing of it is reachable."""
+        if id(exposed) not in self._exposed:
+            return
+        window, exposed.window = exposed.window, None
+        self._revoke(window)
+        exposed.region.close()
+        del self._exposed[id(exposed)]
+        release_pinned(exposed.nbytes)
+
+    async def rdma(self, write: bool, view: memoryview, raddr: int, rkey: int) -> None:
+        """RDMA WRITE ``view`` to ``[raddr, rkey]``, or READ into it; returns once it completed.
+
+        ``view`` inside live registered memory goes as it is (zero copy); anything else is staged
+        through this connection's registered regions, ``STAGE`` bytes at a time."""
+        n = view.nbytes
+        found = find_registered(view)
+        scope = self.scope
+        if self.device is None or scope is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        if found is not None:
+            mem, offset = found
+            mr = mem.mr_for(scope)
+            mem.hold()
+            try:
+                pos = 0
+                while pos < n:
+                    piece = min(n - pos, MAX_RDMA_MESSAGE)
+                    await self._one_sided(write, mr.addr + offset + pos, piece, mr.lkey, raddr + pos, rkey)
+                    pos += piece
+            finally:
+                mem.unhold()
+            return
+        size = min(n, STAGE)
+        region = scope.take_region(size)
+        try:
+            stage = region.view()
+            try:
+                pos = 0
+                while pos < n:
+                    piece = min(n - pos, size)
+                    if write:
+                        stage[:piece] = view[pos : pos + piece]
+                    await self._one_sided(write, region.addr, piece, region.lkey, raddr + pos, rkey)
+                    if not write:
+                        view[pos : pos + piece] = stage[:piece]
+                    count_staged(piece)
+                    pos += piece
+            finally:
+                stage.release()
+        finally:
+            # _one_sided returns only once its WR completed (or was never posted, or the QP is
+            # gone): the region is reusable
+            scope.give_region(region)
+
+    # rendezvous (the steps are aiordma._conn.remote's: send_rendezvous, fetch_rendezvous) --
+
+    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
+        await _remote.send_rendezvous(self.core, data)
+
+    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
+        return await _remote.fetch_rendezvous(self.core, rv, view)
+    #
+    # A staged message's region is granted to the peer for READ (a window bound to this QP, or the
+    # region itself in this connection's own PD) from its announcement until the peer's RNDV_DONE:
+    # then the grant dies (the window is deallocated; a private region is deregistered) and only a
+    # region that grants nothing by itself goes back to the free list.
+
+    def rndv_take(self, n: int) -> Any:
+        """A region of at least ``n`` bytes to stage a message in (sizes are powers of two, reused)."""
+        size = max(64 << 10, 1 << max(0, n - 1).bit_length())
+        free = self._rndv_free.get(size)
+        if free:
+            return free.pop()
+        device = self.device
+        if device is None or device.closed or self.scope is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        reserve_pinned(size)
+        try:
+            return self.scope.staging_region(size)
+        except BaseException:
+            release_pinned(size)
+            raise
+
+    async def rndv_grant(self, region: Any, n: int) -> tuple[Any, int]:
+        """Let the peer READ the first ``n`` bytes of a staged region: ``(window, rkey)``.  On an
+        error the region is given back (not announced)."""
+        try:
+            return await self._grant(region, int(region.addr), n, Access.REMOTE_READ)
+        except BaseException:
+            self._rndv_put_back(region)
+            raise
+
+    def rndv_hold(self, mid: int, region: Any, window: Any = None) -> None:
+        self._rndv_held[mid] = (region, window)
+        self.rndv_staged += int(region.length)
+
+    def rndv_release(self, mid: int) -> None:
+        """The peer READ message ``mid`` (its RNDV_DONE): its rkey dies now; the region may be reused."""
+        held = self._rndv_held.pop(mid, None)
+        if held is None:
+            return
+        region, window = held
+        self.rndv_staged -= int(region.length)
+        self._revoke(window)
+        self._rndv_put_back(region)
+        self._wake_all()  # a sender may wait for room
+
+    def rndv_discard(self, region: Any, window: Any) -> None:
+        """A staged region that is not announced after all: its grant dies, the region goes back."""
+        self._revoke(window)
+        self._rndv_put_back(region)
+
+    def _rndv_put_back(self, region: Any) -> None:
+        """A staging region no grant reaches any more: cached for the next message (when it grants
+        nothing by itself), else closed."""
+        cached = sum(int(r.length) for rs in self._rndv_free.values() for r in rs)
+        if self.scope is not None and self.scope.windows and cached + int(region.length) <= self.rndv_limit:
+            self._rndv_free.setdefault(int(region.length), []).append(region)
+        else:
+            self._close_rndv(region)
+
+    def _close_rndv(self, region: Any) -> None:
+        n = int(region.length)
+        try:
+            region.close()
+        finally:
+            release_pinned(n)
+
+    def stream_fetch(self, rv: Any) -> None:
+        """A byte stream's rendezvous: READ it into a staging region, from the callback (nothing
+        awaits it); when it completes, its bytes go to ``rbuf`` and the protocol resumes."""
+        if self.core.closed:
+            # this side reads no more: the bytes are not fetched, what follows is parsed on (the
+            # peer learns from our CLOSE that nobody takes them)
+            self.core.resume_after_rendezvous()
+            return
+        device = self.device
+        if device is None or device.closed or self._stream_fetch is not None:
+            self.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
+            return
+        size = max(64 << 10, 1 << max(0, rv.length - 1).bit_length())
+        self._stream_fetch = [rv, self.scope.take_region(size), 0, False]
+        self._stream_fetch_step()
+
+    def _stream_fetch_step(self, force: bool = False) -> None:
+        """Post the stream's rendezvous READ (deferred while the reader is behind, unless
+        ``force``: a reader waits for more), or finish it once its completion came."""
+        fetch = self._stream_fetch
+        assert fetch is not None
+        rv, region, seq, _wanted = fetch
+        session = self.session
+        if not seq:
+            if rv.length == 0:
+                self._stream_fetch_done(0)
+                return
+            if self.core.buffered >= RECEIVE_HIGH_WATER and not force:
+                # the reader is behind: READ it when the reader took some (consumed(), or a
+                # reader that waits for more) -- the sender's staged bytes are its backpressure
+                self.needs_consumed = True
+                return
+            if session is None or session.error is not None:
+                return  # the connection failed: teardown gives the region back
+            try:
+                seq = session.post_onesided(False, int(region.addr), rv.length, int(region.lkey), rv.addr, rv.rkey)
+            except Exception as exc:
+                self.core.on_error(exc)
+                return
+            if not seq:
+                return  # the send queue is full: tried again at the next wake
+            fetch[2] = seq
+            fetch[3] = self._want_sends()  # (its completion is not solicited)
+            return
+        if seq in self._os_done:
+            self._stream_fetch_done(self._os_done.pop(seq))
+
+    def _stream_fetch_done(self, status: int) -> None:
+        fetch = self._stream_fetch
+        assert fetch is not None
+        self._stream_fetch = None
+        rv, region, _seq, wanted = fetch
+        self._unwant_sends(wanted)
+        core = self.core
+        device = self.device
+        try:
+            if status:
+                core.on_error(RemoteMemoryError(f"the rendezvous READ failed: {wc_status_name(status)}"))
+                return
+            if rv.length:
+                stage = region.view(0, rv.length)
+                try:
+                    core.rbuf += stage
+                finally:
+                    stage.release()
+                count_staged(rv.length)
+        finally:
+            if device is not None and self.scope is not None:
+                self.scope.give_region(region)  # (its WR completed)
+        core.send_memory_nowait(core.memory.rendezvous_done(rv))
+        core.resume_after_rendezvous()
+
+    async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
+        """RDMA READ ``n`` bytes into a staging region and return them (one copy)."""
+        if not n:
+            await self.core.checkpoint()
+            return b""
+        device = self.device
+        if device is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        if n > STAGE_BYTES_MAX:
+            buf = bytearray(n)
+            await self.rdma(False, memoryview(buf), raddr, rkey)
+            return bytes(buf)
+        size = max(64 << 10, 1 << (n - 1).bit_length())
+        scope = self.scope
+        region = scope.take_region(size)
+        try:
+            await self._one_sided(False, int(region.addr), n, int(region.lkey), raddr, rkey)
+            stage = region.view(0, n)
+            try:
+                count_staged(n)
+                return bytes(stage)
+            finally:
+                stage.release()
+        finally:
+            scope.give_region(region)  # (as in rdma(): the WR is done)
+
+    async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
+        session = self.session
+        status = await self._post_and_wait(lambda: session.post_onesided(write, laddr, length, lkey, raddr, rkey))
+        if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
+            # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
+            broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
+            broken.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise broken
+        if status:
+            what = "WRITE" if write else "READ"
+            err = RemoteMemoryError(
+                f"the RDMA {what} failed: {wc_status_name(status)} (on RC this ends the connection)"
+            )
+            err.__cause__ = self.core.broken() if self.core.error is not None else None
+            raise err
+
+    async def _post_and_wait(self, post: Callable[[], int]) -> int:
+        """Post one signaled work request of ours (``post()``: its sequence number, 0 while the send
+        queue is full) and wait for its completion; returns its status.
+
+        Ownership: what the work request names is the device's until its completion is polled.
+        Cancelled, this still waits (shielded) for that completion -- a posted WR always
+        completes (done, failed, or flushed once the QP is in ERROR) -- or for the QP's end."""
+        await self.core.checkpoint()
+        wanted = self._want_sends()  # our completion is not solicited: be woken by every one
+        try:
+            while True:
+                self._check_usable()
+                seq = post()
+                if seq:
+                    break
+                await self._wait()  # the send queue is full: a send completion makes room
+            self.os_inflight.add(seq)
+            try:
+                while seq not in self._os_done and self.qp is not None:
+                    await self._wait()
+            except BaseException:
+                # cancelled (or the loop stops): the NIC may still use the memory -- wait for it
+                with anyio.CancelScope(shield=True):
+                    while seq not in self._os_done and self.qp is not None:
+                        await self._wait()
+                self._os_done.pop(seq, None)
+                self.os_inflight.discard(seq)
+                raise
+        finally:
+            self._unwant_sends(wanted)
+        self.os_inflight.discard(seq)
+        status = self._os_done.pop(seq, None)
+        if status is None:
+            raise BrokenResourceError("the RDMA connection ended before the operation completed")
+        return status
+
