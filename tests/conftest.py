@@ -39,11 +39,6 @@ def rdma_device_present() -> bool:
 POLL_MODE_IDS = ("rdma-checked", "rdma-adaptive", "rdma-busy")
 
 
-def _param_ids(item: pytest.Item) -> list[str]:
-    callspec = getattr(item, "callspec", None)
-    return str(callspec.id).split("-") if callspec is not None else []
-
-
 def guest_keeps(item: pytest.Item) -> bool:
     """The guest stage's selection (``AIORDMA_IN_VM=1``, unless ``AIORDMA_GUEST_FULL=1``).
 
@@ -52,19 +47,18 @@ def guest_keeps(item: pytest.Item) -> bool:
     those loops too (all three when none is named), one marked ``guest_poll_modes`` in every
     poll mode.  What is left out runs on the host over the simulated RC wire, which runs the same
     code on every loop and in every mode (docs/testing.md lists each test and its counterpart)."""
-    if "rdma" not in item.keywords:
-        return True
-    ids = _param_ids(item)
     callspec = getattr(item, "callspec", None)
-    backend = callspec.params.get("anyio_backend") if callspec is not None else None
+    if "rdma" not in item.keywords or callspec is None:
+        return True
+    backend = callspec.params.get("anyio_backend")
     if backend is not None:
         loop = ("uvloop" if backend[1] else "asyncio") if backend[0] == "asyncio" else backend[0]
         if loop != "asyncio":
             marker = item.get_closest_marker("guest_loops")
             if marker is None or (marker.args and loop not in marker.args):
                 return False
-    joined = "-".join(ids)
-    if any(joined.endswith(mode) or f"{mode}-" in joined for mode in POLL_MODE_IDS):
+    ids = f"-{callspec.id}-"
+    if any(f"-{mode}-" in ids for mode in POLL_MODE_IDS):
         if item.get_closest_marker("guest_poll_modes") is None:
             return False
     return True
@@ -72,8 +66,10 @@ def guest_keeps(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("AIORDMA_IN_VM") == "1" and os.environ.get("AIORDMA_GUEST_FULL") != "1":
-        kept = [item for item in items if guest_keeps(item)]
-        left = [item for item in items if not guest_keeps(item)]
+        kept: list[pytest.Item] = []
+        left: list[pytest.Item] = []
+        for item in items:
+            (kept if guest_keeps(item) else left).append(item)
         if left:
             config.hook.pytest_deselected(items=left)
             items[:] = kept

@@ -1033,16 +1033,16 @@ class RdmaLink(RemoteOps, Link):
             if self._local_peer:
                 self._local_peer = False
                 poller.add_local_peer(-1)
+        # every grant dies first, here and only here: a bound type-2 window holds a reference on
+        # its QP (rxe waits, 10 s per object, for those at destroy), and no rkey outlives the QP
+        for exposed in self._exposed.values():
+            window, exposed.window = exposed.window, None
+            attempt(partial(self._revoke, window))
+        for key, (region, window) in list(self._rndv_held.items()):
+            self._rndv_held[key] = (region, None)
+            attempt(partial(self._revoke, window))
         qp_gone = self.qp is None
         if self.qp is not None:
-            # every grant dies before its QP: a bound type-2 window holds a reference on the QP
-            # (rxe waits, 10 s per object, for those at destroy), and no rkey outlives the QP
-            for exposed in self._exposed.values():
-                window, exposed.window = exposed.window, None
-                attempt(partial(self._revoke, window))
-            for key, (region, window) in list(self._rndv_held.items()):
-                self._rndv_held[key] = (region, None)
-                attempt(partial(self._revoke, window))
             attempt(self.qp.close)
             qp_gone = bool(getattr(self.qp, "closed", True))
             self.qp = None
@@ -1064,8 +1064,7 @@ class RdmaLink(RemoteOps, Link):
                 self._unwant_sends(fetch[3])
                 if scope is not None:
                     attempt(partial(scope.give_region, fetch[1]))  # (the QP is gone: nothing touches it)
-            for region, window in self._rndv_held.values():
-                attempt(partial(self._revoke, window))
+            for region, _ in self._rndv_held.values():  # (their windows are dead: above)
                 attempt(partial(self._close_rndv, region))
             for region in (r for rs in self._rndv_free.values() for r in rs):
                 attempt(partial(self._close_rndv, region))
