@@ -323,11 +323,18 @@ class _BaseListener(Generic[E]):
     async def serve(self, handler: Callable[[E], Any], task_group: TaskGroup | None = None) -> None:
         """Accept connections forever, calling ``handler`` in a task for each one.
 
-        The handshake runs in that task first; a client that fails it is
-        logged (logger ``aiordma``) and dropped without disturbing the others.
-        As with anyio's listeners, the handler owns the stream (close it, e.g.
-        ``async with stream:``), and an exception in a handler propagates out
-        of ``serve``.
+        The handshake runs in that task first.  As with anyio's listeners, the
+        handler owns the stream (close it, e.g. ``async with stream:``).
+
+        One connection never ends ``serve`` nor touches another connection:
+        whatever ends a connection -- a client that fails its handshake (bad
+        bytes, a timeout, a reset, TLS), or a handler that raises -- is logged
+        once (logger ``aiordma``, with the client's address and the reason)
+        and ends that connection alone (a stream its handler left open is
+        closed).  ``serve`` returns when the listener is closed (once the
+        connections it handed out ended), and is cancelled with its task
+        group; what is not an ``Exception`` (``KeyboardInterrupt``,
+        ``SystemExit``) still propagates.
         """
         if self._closed:
             raise anyio.ClosedResourceError
@@ -335,8 +342,8 @@ class _BaseListener(Generic[E]):
         async def handle(core: Core) -> None:
             await handler(self._wrap(core))
 
-        async def handshake(core: Core) -> bool:
-            return await accept_handshake(core, self._opts, self._devices)
+        async def handshake(core: Core) -> None:
+            await accept_handshake(core, self._opts, self._devices)
 
         if task_group is None:
             async with anyio.create_task_group() as tg:

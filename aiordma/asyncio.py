@@ -387,8 +387,8 @@ class Server(asyncio.AbstractServer):
         if not task.cancelled() and task.exception() is not None:
             self._loop.call_exception_handler({"message": "aiordma server task failed", "exception": task.exception()})
 
-    async def _handshake(self, core: Core) -> bool:
-        return await accept_handshake(core, self._opts, self._devices)
+    async def _handshake(self, core: Core) -> None:
+        await accept_handshake(core, self._opts, self._devices)
 
     @property
     def sockets(self) -> tuple[Any, ...]:
@@ -493,9 +493,11 @@ async def start_server(
             if result is not None:
                 await result
         except Exception as exc:
+            transport = core.link.transport
+            peer = transport.get_extra_info("peername") if transport is not None else None
             loop.call_exception_handler(
                 {"message": "Unhandled exception in client_connected_cb", "exception": exc,
-                 "transport": core.link.transport}  # fmt: skip
+                 "transport": transport, "peer": peer}  # fmt: skip
             )
             writer.close()
 

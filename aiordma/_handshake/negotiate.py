@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from .._conn.core import Core
 from .limits import ListenerBudget, ring_bytes
-from .._errors import AuthenticationError, HandshakeError, RDMAUnavailableError
+from .._errors import AuthenticationError, HandshakeError, ProtocolError, RDMAUnavailableError
 from .._proto.protocol import (
     CAP_RDMA, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, AuthChallenged, Authenticated, CloseCode,
     Connection, Event, HelloReceived, Mode, Role, TransportSelected,
@@ -137,7 +137,14 @@ async def _next_control(core: Core, kind: type[E]) -> E:
     """Wait for the next handshake event, under the protocol's deadline."""
     proto = core.proto
     while True:
-        if core.control:
+        # Events in the order they came, except that one we would have to answer (a HELLO, an
+        # AUTH step) cannot be answered once the peer closed or broke the protocol after it: a
+        # HELLO that came in one segment with a CLOSE (what a client whose connect is cancelled
+        # writes) ends the handshake here.  A SELECT needs no answer: the connection opens, and
+        # what came after it is the connection's (its handler sees the close or the error).
+        if core.control and (
+            isinstance(core.control[0], TransportSelected) or (core.peer_close is None and core.error is None)
+        ):
             event: Event = core.control.popleft()
             if isinstance(event, kind):
                 return event
@@ -379,26 +386,22 @@ async def _discard(core: Core) -> None:
         await core.aclose()
 
 
-async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> bool:
-    """Run a server's handshake; a client that fails it is logged and dropped (False).
+async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> None:
+    """Run a server's handshake.  Whatever ends it early is raised to the listener, which logs
+    it with the client's address and drops that client alone (:class:`~aiordma._tcp.accept.Acceptor`);
+    a protocol or handshake error is first recorded on the Core, so that its CLOSE tells the
+    client why (a timeout, a mismatch, bytes out of order).
 
     ``hold`` keeps the RDMA device of the connection open for the listener's lifetime."""
-    set_keepalive(core.link, opts.keepalive)
     try:
+        set_keepalive(core.link, opts.keepalive)
         await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend,
                                budget=opts.budget)  # fmt: skip
-    except (HandshakeError, RDMAUnavailableError, anyio.BrokenResourceError, OSError) as exc:
-        log.info("aiordma: dropped a client during the handshake: %s", exc)
-        if isinstance(exc, HandshakeError):
-            core.on_error(exc)  # (its CLOSE tells the client why: a timeout, a mismatch)
-        await _discard(core)
-        return False
-    except BaseException:
-        await _discard(core)
+    except (HandshakeError, ProtocolError) as exc:
+        core.on_error(exc)
         raise
     if hold is not None and core.transport == "rdma":
         hold.keep(core.link)
-    return True
 
 
 async def open_client(host: str, port: int, mode: Mode, opts: Options) -> Core:

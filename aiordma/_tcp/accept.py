@@ -53,14 +53,28 @@ def _running_on_asyncio() -> bool:
     return True
 
 
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def _close_quietly(core: Core) -> None:
+    """Close a connection the listener gives up on; its failure to close is logged, not raised."""
+    try:
+        await core.aclose()
+    except Exception as exc:
+        log.debug("aiordma: closing a dropped connection failed: %s", _reason(exc))
+
+
 class _Pending:
     """One accepted connection while it is in admission."""
 
-    __slots__ = ("sock", "address", "scope", "go", "dropped", "link")
+    __slots__ = ("sock", "address", "peer", "scope", "go", "dropped", "link")
 
-    def __init__(self, sock: socket.socket, address: str) -> None:
+    def __init__(self, sock: socket.socket, address: str, peer: str) -> None:
         self.sock = sock
-        self.address = address
+        self.address = address  # (the host: admission's per-address share)
+        self.peer = peer  # (host:port, for the logs)
         self.scope = anyio.CancelScope()
         self.go = anyio.Event()
         self.dropped = False
@@ -120,16 +134,16 @@ class Acceptor:
     # -- serving ---------------------------------------------------------------------------
 
     async def serve(self, handle: Callable[[Core], Awaitable[None]], spawn: Spawn,
-                    handshake: Callable[[Core], Awaitable[bool]]) -> None:  # fmt: skip
+                    handshake: Callable[[Core], Awaitable[None]]) -> None:  # fmt: skip
         """Accept forever; ``handshake(core)`` for each admitted connection, then
-        ``handle(core)`` when it returned True.  Every loop and connection runs in ``spawn``ed
+        ``handle(core)`` when it returned (it raises what ended the handshake).  Every loop and connection runs in ``spawn``ed
         tasks; this returns when the acceptor is closed."""
         async with anyio.create_task_group() as loops:
             for sock in self._sockets:
                 loops.start_soon(self._accept_loop, sock, handle, spawn, handshake)
 
     async def _accept_loop(self, lsock: socket.socket, handle: Callable[[Core], Awaitable[None]], spawn: Spawn,
-                           handshake: Callable[[Core], Awaitable[bool]]) -> None:  # fmt: skip
+                           handshake: Callable[[Core], Awaitable[None]]) -> None:  # fmt: skip
         admission = self.admission
         while not self._closed:
             if not admission.may_accept():
@@ -150,7 +164,9 @@ class Acceptor:
             csock.setblocking(False)
             if csock.family in (socket.AF_INET, socket.AF_INET6):
                 csock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pending = _Pending(csock, str(addr[0]) if isinstance(addr, tuple) else str(addr))
+            host = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            port = f":{addr[1]}" if isinstance(addr, tuple) else ""
+            pending = _Pending(csock, host, f"[{host}]{port}" if ":" in host and port else host + port)
             self._apply(admission.accepted(pending, pending.address))
             spawn(self._connection, pending, handle, handshake)
 
@@ -170,7 +186,11 @@ class Acceptor:
         self._apply(self.admission.finished(pending))
 
     async def _connection(self, pending: _Pending, handle: Callable[[Core], Awaitable[None]],
-                          handshake: Callable[[Core], Awaitable[bool]]) -> None:  # fmt: skip
+                          handshake: Callable[[Core], Awaitable[None]]) -> None:  # fmt: skip
+        """One accepted connection's whole life, isolated: nothing it sends or does reaches the
+        accept loop or another connection.  Every way it ends early is logged once, with the
+        peer's address and the reason; only cancellation (the listener closing) and
+        non-``Exception`` errors (``KeyboardInterrupt``) propagate."""
         core: Core | None = None
         ok = False
         try:
@@ -181,6 +201,8 @@ class Acceptor:
                 if self.admission.state(pending) is not None and not pending.go.is_set():
                     if self.admission.state(pending) == "waiting":  # (silent for hello_timeout)
                         self.admission.dropped_silent += 1
+                        log.info("aiordma: dropped a client (%s): it sent nothing within hello_timeout (%g s)",
+                                 pending.peer, self._hello_timeout)  # fmt: skip
                         return
                     await pending.go.wait()
                 if pending.dropped or self.admission.state(pending) != "handshaking":
@@ -191,21 +213,31 @@ class Acceptor:
                 # and the client gets a CLOSE that says so)
                 proto.expect_hello_within(self._hello_timeout, anyio.current_time())
                 self.admission.started(pending, lambda: proto.peer_hello is not None)
-                ok = await handshake(core)
-        except (OSError, anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError, TimeoutError) as exc:
-            log.info("aiordma: dropped a client before its handshake: %r", exc)
+                await handshake(core)
+                ok = True
+        except Exception as exc:
+            stage = "before its handshake" if core is None else "during the handshake"
+            log.info("aiordma: dropped a client (%s) %s: %s", pending.peer, stage, _reason(exc))
         finally:
             self._leave(pending)
             if not ok:
                 with anyio.CancelScope(shield=True):
                     if core is not None:
-                        await core.aclose()
+                        await _close_quietly(core)
                     elif pending.link is None:
                         pending.sock.close()
             if pending.dropped:
-                log.info("aiordma: dropped a silent client (%s) for one that spoke", pending.address)
-        if ok and core is not None:
+                log.info("aiordma: dropped a silent client (%s) for one that spoke", pending.peer)
+        if not ok or core is None:
+            return
+        try:
             await handle(core)
+        except Exception as exc:
+            log.error("aiordma: the handler of a connection from %s failed: %s", pending.peer, _reason(exc),
+                      exc_info=exc)  # fmt: skip
+            core.on_error(exc)  # (a stream the handler left open ends as failed, not in order)
+            with anyio.CancelScope(shield=True):
+                await _close_quietly(core)
 
     async def _make_link(self, pending: _Pending) -> Core:
         """The socket as a link of this listener (TLS handshake included), bounded."""
