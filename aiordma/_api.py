@@ -435,8 +435,11 @@ async def create_listener(
     Admission (no client is refused for a burst): at most ``max_handshakes`` handshakes run at
     once (``max_handshakes_per_address`` for one peer address, default half of it); the others
     wait -- up to ``backlog`` accepted, then in the kernel's listen backlog of that size.  A
-    connection that has not sent its HELLO within ``hello_timeout`` seconds is dropped, and so is
-    the oldest silent one when a client that spoke needs its place.  ``max_rdma_connections`` and
+    connection that sends not one byte within ``hello_timeout`` seconds (10) is dropped as
+    silent, and so is the oldest silent one when the queue is full; one that started has
+    ``handshake_timeout`` in all, and gives its slot to a ready client only once nothing moved
+    on it for a second (stalled: slow is not hostile).  Each drop is logged with its reason
+    (logger ``aiordma``).  ``max_rdma_connections`` and
     ``max_pinned_bytes`` bound what RDMA clients may pin (defaults: half of the process's pinned
     limit, RLIMIT_MEMLOCK); beyond them a client gets TCP, with the limit in the reason.
     """

@@ -11,6 +11,14 @@ may be caught by the test's own task group instead of killing the server.  So:
     ``stats`` -> one JSON line (open fds, live tasks, open connections, whether ``serve`` still
     runs); ``quit`` -> exits 0.  The handler echoes; a channel message or stream chunk equal to
     ``b"raise"`` makes it raise (a handler that fails).
+``python -m tests._listener_proc burst LOOP API PORT TLSDIR N``
+    N clients connect at once when stdin says ``go`` (after the process printed ``READY``), each
+    echoes once; then one JSON line: failures, a few errors, each success's connect-to-echo time.
+``python -m tests._listener_proc probe LOOP API PORT TLSDIR``
+    A new client every 0.25 s (connect, echo, close) until ``stop``; then the worst time.
+``python -m tests._listener_proc flood - API PORT SILENT STALLING``
+    Sockets that never speak and sockets that start and stall, reopened as they are dropped,
+    until ``stop`` (plain sockets and ``selectors``: no event loop).
 ``python -m tests._listener_proc canary LOOP API PORT TLSDIR``
     Connects once (a channel to a ``channel`` listener, else a stream), then echoes 64 bytes
     every 20 ms until stdin says ``stop``; then prints one JSON line: echoes, the worst round
@@ -25,8 +33,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import ssl
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -215,6 +226,203 @@ async def canary(api: str, port: int, tlsdir: str) -> None:
         tg.cancel_scope.cancel()
 
 
+async def burst(api: str, port: int, tlsdir: str, count: int) -> None:
+    """``count`` clients connect at once (after ``go`` on stdin), each echoes once; prints one
+    JSON line: how many failed, a few of their errors, and each success's time from its
+    connect to its first echo (seconds)."""
+    ctx = client_context(tlsdir)
+    errors: list[str] = []
+    times: list[float] = []
+    print("READY", flush=True)
+    await readline()
+
+    async def one() -> None:
+        started = time.monotonic()
+        try:
+            with anyio.fail_after(60):
+                conn: Any
+                if api == "channel":
+                    conn = await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
+                else:
+                    conn = await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+                async with conn:
+                    await conn.send(b"ping")
+                    got = b""
+                    while len(got) < 4:
+                        got += await conn.receive()
+                    assert got == b"ping", got
+            times.append(time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(repr(exc))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(count):
+            tg.start_soon(one)
+    print(json.dumps({"failed": len(errors), "errors": errors[:5], "times": times}), flush=True)
+
+
+async def probe(api: str, port: int, tlsdir: str) -> None:
+    """A new client every 0.25 s (connect, handshake, one echo, close) until stdin says
+    ``stop``; then one JSON line: probes, the worst one's time, and every error."""
+    ctx = client_context(tlsdir)
+    report: dict[str, Any] = {"probes": 0, "worst": 0.0, "errors": []}
+    stop = anyio.Event()
+
+    async def watch() -> None:
+        await readline()
+        stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        print("READY", flush=True)
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                with anyio.fail_after(10):
+                    conn: Any
+                    if api == "channel":
+                        conn = await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
+                    else:
+                        conn = await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+                    async with conn:
+                        await conn.send(b"ping")
+                        got = b""
+                        while len(got) < 4:
+                            got += await conn.receive()
+                report["probes"] += 1
+                report["worst"] = max(report["worst"], time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                report["errors"].append(repr(exc))
+            with anyio.move_on_after(0.25):
+                await stop.wait()
+        print(json.dumps(report), flush=True)
+        tg.cancel_scope.cancel()
+
+
+def flood(port: int, silent: int, stalling: int, mode: str) -> None:
+    """``silent`` sockets that never send a byte and ``stalling`` ones that start and stall (half
+    send a few bytes of the magic, half a whole HELLO and then nothing), each opened again as
+    soon as the listener drops it, until stdin says ``stop`` (or ends); then one JSON line:
+    how many the listener dropped (and so were reopened)."""
+    import socket
+
+    from aiordma._proto.protocol import Connection, Mode, Role
+
+    hello = Connection(Role.CLIENT, Mode.MESSAGES if mode == "channel" else Mode.STREAM, now=0.0).send_hello()
+    sel = selectors.DefaultSelector()
+    kinds = ["silent"] * silent + ["partial"] * (stalling // 2) + ["hello"] * (stalling - stalling // 2)
+    reopened = 0
+
+    def open_one(kind: str) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        sel.register(sock, selectors.EVENT_WRITE if kind != "silent" else selectors.EVENT_READ, kind)
+
+    for kind in kinds:
+        open_one(kind)
+    sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    print("READY", flush=True)
+    while True:
+        for key, events in sel.select(1.0):
+            if key.data == "stdin":
+                for k in list(sel.get_map().values()):
+                    if k.data != "stdin":
+                        k.fileobj.close()  # type: ignore[union-attr]
+                print(json.dumps({"reopened": reopened}), flush=True)
+                return
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            if events & selectors.EVENT_WRITE:  # (connected: start, then stall)
+                try:
+                    sock.send(MAGIC_PART if key.data == "partial" else hello)
+                except OSError:
+                    pass
+                sel.modify(sock, selectors.EVENT_READ, key.data)
+                continue
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:  # the listener dropped it: open another
+                sel.unregister(sock)
+                sock.close()
+                reopened += 1
+                open_one(key.data)
+
+
+MAGIC_PART = b"AIORD"
+
+
+# -- driving these from a test -------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Proc:
+    """A ``tests._listener_proc`` process, driven over its stdin/stdout; its stderr (the
+    listener's log) goes to a temporary file, so that a chatty process never blocks on a full
+    pipe."""
+
+    def __init__(self, *args: str) -> None:
+        self.log = tempfile.TemporaryFile("w+")
+        self._text = ""
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "tests._listener_proc", *args], cwd=ROOT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        )  # fmt: skip
+
+    def line(self, timeout: float = 20) -> str:
+        assert self.p.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.p.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                raise AssertionError(f"{self.p.args} said nothing for {timeout} s; stderr: {self.stderr()[-4000:]}")
+        out = self.p.stdout.readline()
+        if not out:
+            raise AssertionError(f"{self.p.args} ended (rc {self.p.poll()}); stderr: {self.stderr()[-4000:]}")
+        return out.strip()
+
+    def say(self, cmd: str) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+
+    def ask(self, cmd: str) -> dict[str, Any]:
+        self.say(cmd)
+        got: dict[str, Any] = json.loads(self.line())
+        return got
+
+    def stderr(self) -> str:
+        """Everything it wrote to stderr so far."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> str:
+        """End it (quit, then kill); returns everything it wrote to stderr.  Idempotent."""
+        if self.log.closed:
+            return self._text
+        if self.p.poll() is None:
+            try:
+                self.say("quit")
+                self.p.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+        for pipe in (self.p.stdin, self.p.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+        self._text = self.stderr()
+        self.log.close()
+        return self._text
+
+
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     what, loop, api = argv[0], argv[1], argv[2]
@@ -222,6 +430,12 @@ def main(argv: list[str]) -> None:
         run(loop, serve, api, argv[3])
     elif what == "canary":
         run(loop, canary, api, int(argv[3]), argv[4])
+    elif what == "probe":
+        run(loop, probe, api, int(argv[3]), argv[4])
+    elif what == "flood":
+        flood(int(argv[3]), int(argv[4]), int(argv[5]), api)
+    elif what == "burst":
+        run(loop, burst, api, int(argv[3]), argv[4], int(argv[5]))
     else:
         raise SystemExit(f"unknown command {what!r}")
 

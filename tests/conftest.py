@@ -82,3 +82,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "rdma" in item.keywords:
             item.add_marker(skip)
 
+
+
+@pytest.fixture(scope="session")
+def tlsdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory with ``server.pem`` (key and chain for localhost and 127.0.0.1) and ``ca.pem``."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    path = tmp_path_factory.mktemp("tls")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(path / "server.pem"))
+    ca.cert_pem.write_to_path(str(path / "ca.pem"))
+    return str(path)

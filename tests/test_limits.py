@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma._proto.admission import Admission
+from aiordma._proto.admission import Admission, first_frame_size
 from aiordma._handshake.limits import ListenerBudget, ring_bytes
 from aiordma.testing import SimFabric, SimProvider
 
@@ -88,61 +88,86 @@ def test_the_rdma_limits_are_finite_by_default_and_follow_the_pinned_limit() -> 
 
 @given(
     st.integers(1, 4), st.integers(1, 4), st.integers(1, 6),
-    st.lists(st.tuples(st.sampled_from(["accept", "speak", "hello", "finish"]), st.integers(0, 30),
-                       st.sampled_from(["a", "b", "c"])), max_size=80),
+    st.lists(st.tuples(st.sampled_from(["accept", "speak", "whole", "stall", "move", "tick", "finish"]),
+                       st.integers(0, 30), st.sampled_from(["a", "b", "c"])), max_size=80),
 )  # fmt: skip
-def test_admission_keeps_its_bounds_and_never_strands_a_client_that_spoke(
+def test_admission_keeps_its_bounds_and_never_drops_a_client_that_moves(
     limit: int, per_address: int, pending: int, ops: list[tuple[str, int, str]]
 ) -> None:
-    adm = Admission(limit, per_address, pending)
-    hello: dict[int, bool] = {}
+    """Any sequence of events: the bounds hold; only a silent connection is dropped as silent,
+    only a stalled handshake as stalled, never one that is speaking or ready; and after a look
+    (``reschedule``), a ready connection waits only while every slot it could take is held by
+    a handshake that moves."""
+    adm = Admission(limit, per_address, pending, stall_after=1.0)
+    idle: dict[int, float] = {}
     alive: set[int] = set()
-    started: set[int] = set()
     next_key = 0
 
-    def apply(decision: Any) -> None:
-        for key in decision.drop:
+    def apply(decision: Any, before: dict[int, str | None]) -> None:
+        for key, why in decision.drop:
             assert key in alive
+            if why == "silent":
+                assert before[key] == "waiting", (key, before[key])
+            else:
+                assert why == "stalled" and before[key] == "handshaking" and idle[key] >= 1.0, (key, before[key])
             alive.discard(key)
-            started.discard(key)
         for key in decision.start:
             assert key in alive and adm.state(key) == "handshaking"
-            started.add(key)
-            adm.started(key, lambda key=key: hello.get(key, False))
 
     for op, pick, address in ops:
         live = sorted(alive)
+        before = {k: adm.state(k) for k in alive}
         if op == "accept":
             if not adm.may_accept():
                 continue  # (the kernel's backlog queues it)
             key, next_key = next_key, next_key + 1
             alive.add(key)
-            apply(adm.accepted(key, address))
+            idle[key] = 0.0
+            apply(adm.accepted(key, address, lambda key=key: idle[key]), before)
+        elif op == "tick":
+            apply(adm.reschedule(), before)
         elif live:
             key = live[pick % len(live)]
             if op == "speak":
-                apply(adm.spoke(key))
-            elif op == "hello" and key in started:
-                hello[key] = True
+                adm.speaking(key)
+            elif op == "whole":
+                apply(adm.spoke(key), before)
+            elif op == "stall":
+                idle[key] = 1.5
+            elif op == "move":
+                idle[key] = 0.0
             elif op == "finish":
                 alive.discard(key)
-                started.discard(key)
-                apply(adm.finished(key))
+                apply(adm.finished(key), before)
         states = {k: adm.state(k) for k in alive}
         running = [k for k, v in states.items() if v == "handshaking"]
         assert len(running) == adm.handshaking <= limit
         assert adm.waiting == len(alive) - len(running) <= pending
+        assert adm.ready == sum(1 for v in states.values() if v == "ready")
         for addr in "abc":
             assert sum(1 for k in running if adm._entries[k].address == addr) <= per_address
-        # a client that spoke waits only while every slot it could take holds a client that spoke too
         for k, v in states.items():
             if v == "ready":
                 addr = adm._entries[k].address
                 same = [r for r in running if adm._entries[r].address == addr]
                 full = len(same) >= per_address or len(running) >= limit
                 assert full, f"{k} waits with a free slot"
-                blocking = same if len(same) >= per_address else running
-                assert all(hello.get(r, False) for r in blocking), "a silent handshake keeps a client that spoke out"
+                if op == "tick":  # after a look: it waits only while every slot it could take moves
+                    blocking = same if len(same) >= per_address else running
+                    assert all(idle[r] < 1.0 for r in blocking), "a stalled handshake keeps a ready client out"
+
+
+@pytest.mark.parametrize(
+    ("head", "tls", "size"),
+    [
+        (b"", False, 16), (b"AIORDMA\n", False, 16), (b"AIORDMA\n\x01\x00\x00\x00\x00\x00\x00\x20", False, 48),
+        (b"AIORDMA\n\x01\x00\x00\x00\xff\xff\xff\xff", False, 5 + (16 << 10) + 2048),
+        (b"GET / HTTP/1.1", False, 14), (b"AIX", False, 3),
+        (b"", True, 5), (b"\x16\x03\x01\x02\x00", True, 5 + 512), (b"GET /", True, 5),
+    ],
+)  # fmt: skip
+def test_the_first_frame_size_is_read_from_its_first_bytes(head: bytes, tls: bool, size: int) -> None:
+    assert first_frame_size(head, tls) == size
 
 
 # -- admission, real listeners ----------------------------------------------------------------------
@@ -231,10 +256,13 @@ async def test_silent_sockets_never_keep_a_real_client_out(anyio_backend: Any) -
 
 
 async def test_a_silent_connection_is_dropped_after_the_hello_timeout(anyio_backend: Any) -> None:
+    """Not one byte within ``hello_timeout``: dropped as silent.  A few bytes of the magic, then
+    nothing: not silent -- it has until ``handshake_timeout``, and no slot meanwhile."""
     async with no_fd_leak():
-        async with await echo_server(hello_timeout=0.3) as lst, anyio.create_task_group() as tg:
+        async with await echo_server(hello_timeout=0.3, handshake_timeout=1.2) as lst, \
+                anyio.create_task_group() as tg:  # fmt: skip
             await serve_echo(lst, tg)
-            for first in (b"", b"AIO"):  # silent; a few bytes of the magic, then silent
+            for first, bounds in ((b"", (0.2, 0.9)), (b"AIO", (1.0, 2.5))):
                 with socket.create_connection(("127.0.0.1", lst.port)) as sock:
                     if first:
                         sock.sendall(first)
@@ -242,10 +270,11 @@ async def test_a_silent_connection_is_dropped_after_the_hello_timeout(anyio_back
                     # the server closes it: EOF (or a reset) on our side
                     got = await anyio.to_thread.run_sync(_recv_until_closed, sock)
                     took = anyio.current_time() - started
-                    assert 0.2 < took < 3, f"the silent connection stayed {took:.2f} s"
-                    assert got == b"" or b"HELLO did not come within 0.3 s" in got, got  # (a CLOSE that says why)
+                    assert bounds[0] < took < bounds[1], f"{first!r}: the connection stayed {took:.2f} s"
+                    assert got == b"", got  # (no protocol object was made for either)
             await one_echo(lst.port)
-            assert lst._acceptor.admission.dropped_silent == 1  # (the one that never spoke; the other: its HELLO)
+            assert lst._acceptor.admission.dropped_silent == 1  # (the one that never spoke)
+            assert lst._acceptor.admission.handshaking == 0
             tg.cancel_scope.cancel()
 
 
@@ -298,10 +327,14 @@ async def test_one_address_cannot_take_every_handshake_slot(anyio_backend: Any) 
             tg.cancel_scope.cancel()
 
 
-async def test_a_tls_handshake_counts_and_has_a_deadline(anyio_backend: Any) -> None:
-    """A TLS client that sends one byte of its ClientHello and stalls holds a handshake slot only
-    until ``hello_timeout``; a real TLS client gets in meanwhile (the silent one is dropped)."""
+async def test_a_tls_handshake_that_stalls_gives_its_slot_to_a_ready_client(anyio_backend: Any) -> None:
+    """``max_handshakes=1``.  A TLS client sends one byte of its ClientHello and stops: it gets
+    no slot (its first record is not whole).  Another sends a whole ClientHello and never answers
+    the server's: it holds the slot until nothing moved for ``stall_after`` (half of
+    ``handshake_timeout``: 1.5 s), then a real TLS
+    client takes the slot and echoes; both stallers are closed, each logged with its reason."""
     trustme = pytest.importorskip("trustme")
+    import logging
     import ssl
 
     ca = trustme.CA()
@@ -309,23 +342,46 @@ async def test_a_tls_handshake_counts_and_has_a_deadline(anyio_backend: Any) -> 
     ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
-    async with no_fd_leak(settle=5):
-        async with await aiordma.create_channel_listener(
-            "127.0.0.1", 0, ssl=server_ctx, max_handshakes=1, hello_timeout=0.5
-        ) as lst, anyio.create_task_group() as tg:  # fmt: skip
-            await serve_echo(lst, tg)
-            with socket.create_connection(("127.0.0.1", lst.port)) as sock:
-                sock.sendall(b"\x16")  # the first byte of a TLS record; then nothing
-                adm = lst._acceptor.admission
-                with anyio.fail_after(5):
-                    while adm.handshaking < 1:
-                        await anyio.sleep(0.01)
-                with anyio.fail_after(5):
-                    async with await aiordma.connect_channel("127.0.0.1", lst.port, ssl=client_ctx) as ch:
-                        await ch.send(b"hi")
-                        assert await ch.receive() == b"hi"
-                assert b"HELLO" not in await anyio.to_thread.run_sync(_recv_until_closed, sock)  # (TLS: closed)
-            tg.cancel_scope.cancel()
+    # a whole ClientHello, made without a socket
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = client_ctx.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    client_hello = outgoing.read()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("aiordma").addHandler(handler)
+    logging.getLogger("aiordma").setLevel(logging.INFO)
+    try:
+        async with no_fd_leak(settle=5):
+            async with await aiordma.create_channel_listener(
+                "127.0.0.1", 0, ssl=server_ctx, max_handshakes=1, handshake_timeout=3
+            ) as lst, anyio.create_task_group() as tg:  # fmt: skip
+                await serve_echo(lst, tg)
+                with socket.create_connection(("127.0.0.1", lst.port)) as one_byte, \
+                        socket.create_connection(("127.0.0.1", lst.port)) as staller:  # fmt: skip
+                    one_byte.sendall(client_hello[:1])
+                    staller.sendall(client_hello)
+                    adm = lst._acceptor.admission
+                    with anyio.fail_after(5):
+                        while adm.handshaking < 1:
+                            await anyio.sleep(0.01)
+                    started = anyio.current_time()
+                    with anyio.fail_after(5):
+                        async with await aiordma.connect_channel("127.0.0.1", lst.port, ssl=client_ctx) as ch:
+                            await ch.send(b"hi")
+                            assert await ch.receive() == b"hi"
+                    took = anyio.current_time() - started
+                    assert 1.4 < took < 3.5, f"the ready client waited {took:.2f} s (stall_after is 1.5 s)"
+                    assert adm.dropped_stalled == 1
+                    for sock in (one_byte, staller):  # (closed: the one-byte one at handshake_timeout)
+                        await anyio.to_thread.run_sync(_recv_until_closed, sock)
+                tg.cancel_scope.cancel()
+    finally:
+        logging.getLogger("aiordma").removeHandler(handler)
+    assert any("its handshake stalled" in r for r in records), records
+    assert any("its first frame did not come whole within handshake_timeout" in r for r in records), records
 
 
 def _sim() -> tuple[SimFabric, Any]:

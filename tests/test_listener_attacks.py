@@ -16,12 +16,10 @@ long run).  Every crash the fuzzer finds stays below as an explicit case.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import ssl
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -38,7 +36,8 @@ from aiordma._proto.protocol import (
     CAP_RDMA, HEADER, MAGIC, CloseCode, Connection, FrameType, Mode, Role, frame,
 )  # fmt: skip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ._listener_proc import Proc
+
 #: the worst echo round trip the canary may see while the listener is attacked (seconds); the
 #: canary's loop and the listener's share 2 cores with the attackers and the fuzzer
 CANARY_BOUND = 1.0
@@ -46,57 +45,6 @@ FUZZ_EXAMPLES = int(os.environ.get("AIORDMA_FUZZ_EXAMPLES", "100"))
 
 
 # -- the processes ---------------------------------------------------------------------------
-
-
-class Proc:
-    """A ``tests._listener_proc`` process, driven over its stdin/stdout."""
-
-    def __init__(self, *args: str) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "tests._listener_proc", *args], cwd=ROOT, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-
-    def line(self, timeout: float = 20) -> str:
-        assert self.p.stdout is not None
-        import selectors
-
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.p.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                raise AssertionError(f"{self.p.args} said nothing for {timeout} s; stderr: {self.stderr()}")
-        out = self.p.stdout.readline()
-        if not out:
-            raise AssertionError(f"{self.p.args} ended (rc {self.p.poll()}); stderr: {self.stderr()}")
-        return out.strip()
-
-    def say(self, cmd: str) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-
-    def ask(self, cmd: str) -> dict[str, Any]:
-        self.say(cmd)
-        got: dict[str, Any] = json.loads(self.line())
-        return got
-
-    def stderr(self) -> str:
-        if self.p.poll() is None:
-            return "(still running)"
-        assert self.p.stderr is not None
-        return self.p.stderr.read()[-4000:]
-
-    def stop(self) -> str:
-        """End it (quit, then kill); returns the tail of its stderr."""
-        if self.p.poll() is None:
-            try:
-                self.say("quit")
-                self.p.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait()
-        assert self.p.stderr is not None
-        return self.p.stderr.read()[-20000:]
 
 
 @dataclass
@@ -111,17 +59,6 @@ class Target:
     @property
     def mode(self) -> Mode:
         return Mode.MESSAGES if self.api == "channel" else Mode.STREAM
-
-
-@pytest.fixture(scope="module")
-def tlsdir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    cert = ca.issue_cert("localhost", "127.0.0.1")
-    path = tmp_path_factory.mktemp("tls")
-    cert.private_key_and_cert_chain_pem.write_to_path(str(path / "server.pem"))
-    ca.cert_pem.write_to_path(str(path / "ca.pem"))
-    return str(path)
 
 
 def _combos() -> list[Any]:
@@ -314,6 +251,16 @@ def explicit_attacks(mode: Mode) -> dict[str, Attack]:
     }
 
 
+def settled(server: Proc) -> dict[str, Any]:
+    """The listener's stats once the canary's handler runs (its client may say CONNECTED a
+    moment before the handler starts)."""
+    deadline = time.monotonic() + 10
+    while (stats := server.ask("stats"))["connections"] != 1:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    return stats
+
+
 def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any]) -> None:
     """After the attacks: a new client echoes; the canary saw nothing wrong; the listener's
     process is alive, serving, and back to its fds and tasks (dropped connections may take a
@@ -338,8 +285,7 @@ def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any]) -> None:
 
 def test_no_client_takes_the_listener_down(target: Target, canary: Proc) -> None:
     """The review's cases and their kin, each from its own socket, while a canary echoes."""
-    baseline = target.server.ask("stats")
-    assert baseline["connections"] == 1
+    baseline = settled(target.server)
     for name, attack in explicit_attacks(target.mode).items():
         for _ in range(2):
             run_attack(target, attack)
@@ -406,7 +352,7 @@ def test_fuzzed_frames_never_take_the_listener_down(fuzz_target: Target) -> None
     canary = Proc("canary", fuzz_target.loop, "channel", str(fuzz_target.port), "-")
     try:
         assert canary.line() == "CONNECTED"
-        baseline = fuzz_target.server.ask("stats")
+        baseline = settled(fuzz_target.server)
 
         @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))  # fmt: skip

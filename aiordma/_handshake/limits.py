@@ -30,7 +30,12 @@ from .._rdma.config import RdmaConfig
 
 __all__ = ["ListenerBudget", "ring_bytes"]
 
-DEFAULT_MAX_HANDSHAKES = 64
+#: handshakes at once (half of them for one peer address): as many as the listen backlog.  A
+#: handshake costs what an open connection does (its receive buffer; RDMA resources are the
+#: budget's below), so a burst from one host -- a thousand Dask workers starting, clients in
+#: several processes -- runs at once instead of queueing behind a few dozen slots, and a few
+#: hundred sockets that start and stall leave room for everyone else.
+DEFAULT_MAX_HANDSHAKES = 1024
 
 
 def ring_bytes(config: RdmaConfig) -> int:

@@ -473,8 +473,6 @@ class Connection:
         self.send_half = Half.OPEN
         self.recv_half = Half.OPEN
         self.handshake_deadline: float | None = now + handshake_timeout
-        #: server, with expect_hello_within(): (the HELLO's deadline, its seconds, the full deadline)
-        self._hello_by: tuple[float, float, float] | None = None
         self.local_hello: Hello | None = None
         self.peer_hello: Hello | None = None
         self.transport: Transport | None = None
@@ -550,20 +548,10 @@ class Connection:
         """When :meth:`handle_timer` must be called next (``None``: never)."""
         return self.handshake_deadline
 
-    def expect_hello_within(self, seconds: float, now: float) -> None:
-        """Server: the client's HELLO is due within ``seconds`` (a listener's admission drops a
-        silent client early); once it came, the handshake's own deadline holds again."""
-        if self.peer_hello is None and self.handshake_deadline is not None:
-            self._hello_by = (now + seconds, seconds, self.handshake_deadline)
-            self.handshake_deadline = min(self.handshake_deadline, now + seconds)
-
     def handle_timer(self, now: float) -> None:
         """Raise :class:`HandshakeTimeoutError` if the handshake is overdue."""
         if self.handshake_deadline is not None and now >= self.handshake_deadline:
-            if self._hello_by is not None and now >= self._hello_by[0]:
-                text = f"the client's HELLO did not come within {self._hello_by[1]} s"
-            else:
-                text = f"the handshake did not complete in time (state {self.state.value})"
+            text = f"the handshake did not complete in time (state {self.state.value})"
             err = HandshakeTimeoutError(text)
             self._fail(err)
             raise err
@@ -1170,8 +1158,6 @@ class Connection:
             self._step(Input.RECV_HELLO, remote=True)
             if self.role is Role.SERVER:
                 self._client_hello = bytes(payload)
-                if self._hello_by is not None:  # (it came in time: the handshake's deadline again)
-                    self.handshake_deadline, self._hello_by = self._hello_by[2], None
             self.peer_hello = hello
             self._peer_max_message = hello.max_message_size
             self._peer_max_frame = hello.max_frame_size
