@@ -5,8 +5,10 @@ the clients too cannot accept faster than they speak, and an exception that ends
 may be caught by the test's own task group instead of killing the server.  So:
 
 ``python -m tests._listener_proc serve LOOP API TLSDIR``
-    A default echo listener on 127.0.0.1 (API ``channel``, ``stream`` -- anyio listeners -- or
-    ``asyncio``: ``aiordma.asyncio.start_server``, asyncio and uvloop only), TLS with
+    A default echo listener on 127.0.0.1 (API ``channel``, ``stream`` -- anyio listeners --,
+    ``asyncio``: ``aiordma.asyncio.start_server``, asyncio and uvloop only -- or ``sim``: a
+    channel listener offering RDMA over the simulated wire, with an inner canary client in this
+    process talking to it over that wire, reported as ``inner`` in the stats), TLS with
     ``TLSDIR/server.pem`` when TLSDIR is not ``-``.  Prints ``PORT n``, then answers on stdin:
     ``stats`` -> one JSON line (open fds, live tasks, open connections, whether ``serve`` still
     runs); ``quit`` -> exits 0.  The handler echoes; a channel message or stream chunk equal to
@@ -166,16 +168,51 @@ async def serve(api: str, tlsdir: str) -> None:
             tg.cancel_scope.cancel()
         return
 
-    make = aiordma.create_channel_listener if api == "channel" else aiordma.create_listener
-    lst: Any = await make("127.0.0.1", 0, ssl=ctx, transport="tcp")
-    handler = echo_channel if api == "channel" else echo_stream
+    inner: dict[str, Any] = {"echoes": 0, "worst": 0.0, "errors": [], "transport": None}
+    inner_stop = anyio.Event()
+    if api == "sim":
+        # the simulated RC wire, in this process: the listener offers RDMA; an inner canary
+        # talks to it over RDMA (its QPs are what a hostile HELLO may name)
+        from aiordma.testing import SimFabric, SimProvider
+
+        fabric = SimFabric()
+        fabric.add_device("sim0", "127.0.0.1")
+        lst: Any = await aiordma.create_channel_listener(
+            "127.0.0.1", 0, transport="auto", rdma_backend=aiordma.RdmaBackend(provider=SimProvider(fabric))
+        )  # fmt: skip
+        state["inner"] = inner  # type: ignore[assignment]
+
+        async def inner_canary() -> None:
+            try:
+                async with await aiordma.connect_channel(
+                    "127.0.0.1", lst.port, transport="rdma", rdma_backend=aiordma.RdmaBackend(provider=SimProvider(fabric))
+                ) as ch:  # fmt: skip
+                    inner["transport"] = ch.extra(aiordma.TransportAttribute.transport)
+                    while not inner_stop.is_set():
+                        started = time.monotonic()
+                        with anyio.fail_after(10):
+                            await ch.send(b"inner")
+                            assert await ch.receive() == b"inner"
+                        inner["echoes"] += 1
+                        inner["worst"] = max(inner["worst"], time.monotonic() - started)
+                        with anyio.move_on_after(0.02):
+                            await inner_stop.wait()
+            except Exception as exc:  # noqa: BLE001 - reported in the stats
+                inner["errors"].append(repr(exc))
+    else:
+        make = aiordma.create_channel_listener if api == "channel" else aiordma.create_listener
+        lst = await make("127.0.0.1", 0, ssl=ctx, transport="tcp")
+    handler = echo_stream if api == "stream" else echo_channel
 
     async with anyio.create_task_group() as tg:
 
         async def stop_listener() -> None:
+            inner_stop.set()
             await lst.aclose()  # (serve returns once the connections it handed out ended)
 
         tg.start_soon(control, lst.port, stop_listener)
+        if api == "sim":
+            tg.start_soon(inner_canary)
         try:
             await lst.serve(handler)
         except BaseException as exc:

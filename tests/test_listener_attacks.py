@@ -261,7 +261,7 @@ def settled(server: Proc) -> dict[str, Any]:
     return stats
 
 
-def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any]) -> None:
+def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any], connections: int = 0) -> None:
     """After the attacks: a new client echoes; the canary saw nothing wrong; the listener's
     process is alive, serving, and back to its fds and tasks (dropped connections may take a
     moment to close)."""
@@ -275,7 +275,8 @@ def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any]) -> None:
     while True:
         stats = t.server.ask("stats")
         assert stats["serving"], stats
-        if stats["connections"] == 0 and stats["fds"] <= baseline["fds"] - 1 and stats["tasks"] <= baseline["tasks"]:
+        if (stats["connections"] == connections and stats["fds"] <= baseline["fds"] - 1
+                and stats["tasks"] <= baseline["tasks"]):  # fmt: skip
             break
         if time.monotonic() > deadline:
             raise AssertionError(f"the listener holds more than before: {stats} (before, with the canary: {baseline})")
@@ -365,3 +366,67 @@ def test_fuzzed_frames_never_take_the_listener_down(fuzz_target: Target) -> None
         check_unharmed(fuzz_target, canary, baseline)
     finally:
         canary.stop()
+
+
+# -- the simulated RDMA wire: hostile RDMA parameters ---------------------------------------------
+
+
+def rdma_attacks() -> dict[str, Attack]:
+    """HELLOs that offer RDMA with parameters a hostile client makes up: garbage, and
+    well-formed ones naming the listener's device and QP numbers that other connections hold
+    (the inner canary's among them), followed by SELECT rdma (or tcp), bytes, a close or an RST."""
+    from aiordma._rdma.constants import gid_bytes
+    from aiordma._rdma.params import RdmaParams
+
+    gid = gid_bytes("127.0.0.1")
+    out: dict[str, Attack] = {
+        "garbage rdma parameters": Attack((hello(Mode.MESSAGES, os.urandom(41)),)),
+        "short rdma parameters": Attack((hello(Mode.MESSAGES, os.urandom(7)),)),
+        "garbage rdma parameters then select rdma": Attack((hello(Mode.MESSAGES, os.urandom(41)) + select_frame(1),)),
+    }
+    for qp in range(1, 25):
+        params = RdmaParams(gid, qp, 0x1234, 3, 64, 8, 65536, 4).encode()
+        ends = ["read", "rst", "close"]
+        out[f"select rdma naming QP {qp}"] = Attack(
+            (hello(Mode.MESSAGES, params), select_frame(1), raw_frame(FrameType.MESSAGE, b"over tcp?")),
+            end=ends[qp % 3], gap=0.05,
+        )  # fmt: skip
+        out[f"select tcp naming QP {qp}"] = Attack((hello(Mode.MESSAGES, params), select_frame(0)), end=ends[qp % 3],
+                                                   gap=0.05)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_hostile_rdma_parameters_never_take_the_listener_down(loop: str) -> None:
+    """A listener offering RDMA over the simulated wire (in its own process, with an RDMA
+    canary beside it, and a TCP canary in another process): hostile RDMA HELLOs end their own
+    connections only."""
+    server = Proc("serve", loop, "sim", "-")
+    canary = None
+    try:
+        first = server.line()
+        t = Target(loop, "channel", "-", int(first.split()[1]), server, None)
+        canary = Proc("canary", loop, "channel", str(t.port), "-")
+        assert canary.line() == "CONNECTED"
+        deadline = time.monotonic() + 10
+        while (stats := server.ask("stats"))["connections"] != 2 or not stats["inner"]["echoes"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        assert stats["inner"]["transport"] == "rdma", stats
+        baseline = stats
+        for attack in rdma_attacks().values():
+            run_attack(t, attack)
+        # after the attacks: both canaries unharmed, the listener back to its fds and tasks
+        inner_before = baseline["inner"]["echoes"]
+        time.sleep(0.5)
+        stats = server.ask("stats")
+        assert not stats["inner"]["errors"], stats
+        assert stats["inner"]["echoes"] > inner_before, stats
+        assert stats["inner"]["worst"] < CANARY_BOUND, stats
+        check_unharmed(t, canary, {**baseline, "connections": 2}, connections=1)
+    finally:
+        if canary is not None:
+            canary.stop()
+        log = server.stop()
+        sys.stderr.write(log[-3000:])
+    assert "serve_raised" not in log, log[-3000:]
