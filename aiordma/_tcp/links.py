@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
-from anyio.abc import ByteStream, SocketAttribute
+from anyio.abc import ByteStream, SocketAttribute, SocketStream
 
 from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
 from .._errors import HandshakeError, ProtocolError
@@ -578,6 +578,9 @@ class StreamLink(Link):
         self._outbox: list[Chunk] = []  # control frames made while fed (send_nowait)
         self._eof_sent = False  # our half is closed
         self._send_error: BaseException | None = None  # a write failed: sends fail, reading goes on
+        #: a plain TCP stream: sends write its socket here, so that the bytes of a send that is
+        #: cancelled after its frame started are known to the byte (see ``send``)
+        self._raw: Any = stream.extra(SocketAttribute.raw_socket, None) if isinstance(stream, SocketStream) else None
         Core(proto, self)
 
     pulls = True
@@ -640,23 +643,82 @@ class StreamLink(Link):
     async def send(self, chunks: Sequence[Chunk]) -> None:
         """Write ``chunks`` (see the Link contract).  A failed write fails this send and every
         later one, but not the receiving side: a peer that closed (or reset the connection) may
-        have sent its last bytes and its CLOSE before, and those are still read, in order."""
+        have sent its last bytes and its CLOSE before, and those are still read, in order.
+
+        Cancellation never leaves a cut frame on the wire for the next send to complete with
+        its own bytes.  Cancelled before its first byte left, a send wrote nothing.  Cancelled
+        after, on a plain TCP stream: the rest of its bytes (copied) go first with the next
+        write -- another send, a reader's answer, or the close -- so the peer receives that
+        message whole, as asyncio's ``write`` would have queued it.  On other streams (TLS: a
+        record may be cut inside the TLS layer) the connection is broken for every sender with
+        an error that says so; receiving goes on."""
         if self._send_error is not None:
             raise self._broken_send(self._send_error)
         if len(chunks) > 1 and sum(len(c) for c in chunks) <= RECEIVE_SIZE:
             chunks = [b"".join(chunks)]
         try:
             async with self._send_lock:
-                if self._outbox:  # (answers queued while fed go first: they were made first)
+                if self._send_error is not None:  # (a sender before us was cut)
+                    raise self._broken_send(self._send_error)
+                queued = len(self._outbox)
+                if queued:  # (answers queued while fed, or a cancelled send's rest, go first)
                     chunks = [*self._outbox, *chunks]
                     self._outbox = []
-                for chunk in chunks:
-                    await self.stream.send(chunk)  # type: ignore[arg-type]
+                if self._raw is not None:
+                    await self._write_socket(chunks, queued)
+                else:
+                    await self._write_stream(chunks, queued)
         except (BrokenResourceError, ClosedResourceError, OSError) as exc:
             if self.core.closed:
                 raise ClosedResourceError from exc
             self._send_error = exc
             raise self._broken_send(exc) from exc
+
+    async def _write_socket(self, chunks: Sequence[Chunk], queued: int) -> None:
+        """Write ``chunks`` to the plain socket, non-blocking, waiting while it is full.  On
+        cancellation, what did not leave goes back to the front of the outbox: all of it once a
+        byte left (a frame is never cut), else only the first ``queued`` chunks (the outbox's)."""
+        sock = self._raw
+        await anyio.lowlevel.checkpoint()  # (a send always yields, also when the socket takes it all)
+        index = 0
+        view = memoryview(b"")
+        started = False
+        try:
+            for index, chunk in enumerate(chunks):
+                view = memoryview(chunk).cast("B")
+                while view:
+                    try:
+                        sent = sock.send(view)
+                    except (BlockingIOError, InterruptedError):
+                        await anyio.wait_writable(sock)
+                        continue
+                    started = True
+                    view = view[sent:]
+        except anyio.get_cancelled_exc_class():
+            if started:
+                rest = [bytes(view)] if view else []
+                self._outbox[0:0] = rest + [bytes(c) for c in chunks[index + 1 :]]
+            else:
+                self._outbox[0:0] = list(chunks[:queued])
+            raise
+
+    async def _write_stream(self, chunks: Sequence[Chunk], queued: int) -> None:
+        """Write ``chunks`` to a stream that may cut a write it is cancelled in (TLS): once a
+        write began, a cancellation breaks the connection's sending side (see ``send``)."""
+        began = False
+        try:
+            for chunk in chunks:
+                began = True
+                await self.stream.send(chunk)  # type: ignore[arg-type]
+        except anyio.get_cancelled_exc_class():
+            if began:
+                self._send_error = BrokenResourceError(
+                    "a send was cancelled in the middle of its frame; this stream (TLS) cannot finish it, so "
+                    "nothing more can be sent on this connection"
+                )
+            else:
+                self._outbox[0:0] = list(chunks[:queued])
+            raise
 
     async def _half_close(self) -> None:
         """The peer's CLOSE came: end our half (see ``AsyncioLink._half_close``)."""
@@ -716,10 +778,13 @@ class StreamLink(Link):
                 try:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
                         async with self._send_lock:
-                            await self.stream.send(final)
-                        delivered = True
-                except (BrokenResourceError, ClosedResourceError, OSError) as exc:
-                    log.debug("could not send CLOSE: %r", exc)
+                            if self._send_error is None:
+                                # (a cancelled send's rest, and answers queued while fed, first)
+                                chunks, self._outbox = [*self._outbox, final], []
+                                await self.stream.send(b"".join(chunks))
+                                delivered = True
+                except (BrokenResourceError, ClosedResourceError, EndOfStream, OSError) as exc:
+                    log.debug("could not send CLOSE: %r", exc)  # (TLS: EndOfStream once the peer's end came)
                 if delivered and not self.ended:
                     try:
                         await self._linger()
@@ -735,7 +800,8 @@ class StreamLink(Link):
                 try:
                     await self.stream.aclose()
                     closed = True
-                except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                except (BrokenResourceError, ClosedResourceError, EndOfStream, OSError) as exc:
+                    # (TLS: the peer's end came during the unwrap -- EndOfStream)
                     log.debug("closing the stream failed: %r", exc)
             if not closed:
                 await anyio.aclose_forcefully(self.stream)
