@@ -252,6 +252,7 @@ class RdmaLink(RemoteOps, Link):
             control=cfg.control,
             buffer_size=cfg.buffer_size,
             rd_atom=qp_setup.rd_atom_of(self.device) if self.device is not None else 1,
+            reads_rendezvous=self._native,  # (the native path READs what the peer staged)
         ))  # fmt: skip
 
     def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
@@ -328,7 +329,8 @@ class RdmaLink(RemoteOps, Link):
         core.link = self
         core.transport = "rdma"
         core.fallback_reason = ""
-        if self._native and self.config.rendezvous:
+        # (the rendezvous only towards a peer that READs it: its HELLO says so)
+        if self._native and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
             core.rndv_min = self.config.rendezvous
         self._control_watch = control.hand_over(self.io, self._on_control)
         if self._native:

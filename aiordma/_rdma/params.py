@@ -2,7 +2,7 @@
 
 Layout (network order), 40 bytes, version 1::
 
-    version u8 (1) | mtu u8 (ibv_mtu: 1=256 .. 5=4096) | flags u16 (0)
+    version u8 (1) | mtu u8 (ibv_mtu: 1=256 .. 5=4096) | flags u16 (bit 0: READS_RENDEZVOUS)
     gid 16 bytes           RoCEv2 GID of the device behind the TCP socket's local address
     qp_num u32             our RC queue pair (24 bits used)
     psn u32                our initial send PSN (24 bits used)
@@ -10,7 +10,9 @@ Layout (network order), 40 bytes, version 1::
     control u16            receive buffers posted for credit SENDs
     buffer_size u32        size of each receive buffer: no SEND may carry more
 
-Every field is checked before use: a peer cannot make us post more buffers or
+``READS_RENDEZVOUS``: this side READs a rendezvous message (the native path); a sender uses the
+rendezvous only towards a peer that set it, so that two configurations never disagree on what
+may be sent.  Every field is checked before use: a peer cannot make us post more buffers or
 larger sends than our own limits, nor address a QP number or PSN out of range.
 """
 
@@ -35,6 +37,9 @@ MAX_CONTROL: Final = 127
 MIN_BUFFER: Final = 256
 MAX_BUFFER: Final = 16 << 20
 MTU_BYTES: Final = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+#: flags: this side READs rendezvous messages
+READS_RENDEZVOUS: Final = 1 << 0
+KNOWN_FLAGS: Final = READS_RENDEZVOUS
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,12 @@ class RdmaParams:
     buffer_size: int
     #: RDMA READs (and atomics) this side serves at once: its QP's max_dest_rd_atomic
     rd_atom: int = 1
+    #: this side READs rendezvous messages (a peer may send it some)
+    reads_rendezvous: bool = False
 
     def encode(self) -> bytes:
         return PARAMS.pack(
-            VERSION, self.mtu, 0, self.gid, self.qp_num, self.psn, self.window, self.control, self.buffer_size
+            VERSION, self.mtu, READS_RENDEZVOUS if self.reads_rendezvous else 0, self.gid, self.qp_num, self.psn, self.window, self.control, self.buffer_size
         ) + PARAMS_EXT.pack(self.rd_atom)
 
     @property
@@ -65,8 +72,8 @@ class RdmaParams:
         version, mtu, flags, gid, qp_num, psn, window, control, buffer_size = PARAMS.unpack_from(raw, 0)
         if version != VERSION:
             raise RemoteProtocolError(f"RDMA parameters version {version} is not {VERSION}")
-        if flags:
-            raise RemoteProtocolError(f"RDMA parameters have unknown flags {flags:#x}")
+        if flags & ~KNOWN_FLAGS:
+            raise RemoteProtocolError(f"RDMA parameters have unknown flags {flags & ~KNOWN_FLAGS:#x}")
         if mtu not in MTU_BYTES:
             raise RemoteProtocolError(f"RDMA path MTU code {mtu} is not one of 1..5")
         if not 0 < qp_num < 1 << 24:
@@ -86,4 +93,4 @@ class RdmaParams:
             (rd_atom,) = PARAMS_EXT.unpack_from(raw, PARAMS.size)
             if rd_atom < 1:
                 raise RemoteProtocolError("RDMA parameters offer no RDMA READ resources (0)")
-        return cls(gid, qp_num, psn, mtu, window, control, buffer_size, rd_atom)
+        return cls(gid, qp_num, psn, mtu, window, control, buffer_size, rd_atom, bool(flags & READS_RENDEZVOUS))

@@ -703,21 +703,24 @@ class StreamLink(Link):
             raise
 
     async def _write_stream(self, chunks: Sequence[Chunk], queued: int) -> None:
-        """Write ``chunks`` to a stream that may cut a write it is cancelled in (TLS): once a
-        write began, a cancellation breaks the connection's sending side (see ``send``)."""
-        began = False
+        """Write ``chunks`` to a stream.  A stream whose ``send`` is atomic (``atomic_sends``:
+        an item goes whole or not at all, as the in-memory pipe's) keeps a cancelled frame whole
+        as the socket path does; on any other (TLS: a record may be cut inside the TLS layer),
+        a cancellation once a write began breaks the connection's sending side (see ``send``)."""
+        done = 0
         try:
             for chunk in chunks:
-                began = True
                 await self.stream.send(chunk)  # type: ignore[arg-type]
+                done += 1
         except anyio.get_cancelled_exc_class():
-            if began:
+            if getattr(self.stream, "atomic_sends", False):
+                rest = chunks[done:] if done else chunks[:queued]
+                self._outbox[0:0] = [bytes(c) for c in rest]
+            elif done or len(chunks) > queued:  # (a write began: it may have been cut)
                 self._send_error = BrokenResourceError(
                     "a send was cancelled in the middle of its frame; this stream (TLS) cannot finish it, so "
                     "nothing more can be sent on this connection"
                 )
-            else:
-                self._outbox[0:0] = list(chunks[:queued])
             raise
 
     async def _half_close(self) -> None:

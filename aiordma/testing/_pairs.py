@@ -33,6 +33,9 @@ E = TypeVar("E", Stream, Channel)
 class MemoryByteStream(ByteStream):
     """One end of an in-memory byte pipe with bounded buffering (backpressure)."""
 
+    #: a ``send`` delivers its item whole or, cancelled, not at all
+    atomic_sends = True
+
     def __init__(self, send: MemoryObjectSendStream[bytes], receive: MemoryObjectReceiveStream[bytes]) -> None:
         self._send = send
         self._receive = receive
