@@ -97,6 +97,13 @@ def client_context(tlsdir: str) -> ssl.SSLContext | None:
     return ctx
 
 
+async def open_client(api: str, port: int, ctx: ssl.SSLContext | None) -> Any:
+    """A client of a listener of ``api``: a channel for ``channel``, else a byte stream."""
+    if api == "channel":
+        return await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
+    return await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+
+
 async def readline() -> str:
     line: str = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
     return line.strip() if line else "quit"
@@ -235,11 +242,7 @@ async def canary(api: str, port: int, tlsdir: str) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
         try:
-            conn: Any
-            if api == "channel":
-                conn = await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
-            else:
-                conn = await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+            conn: Any = await open_client(api, port, ctx)
             print("CONNECTED", flush=True)
             async with conn:
                 while not stop.is_set():
@@ -277,11 +280,7 @@ async def burst(api: str, port: int, tlsdir: str, count: int) -> None:
         started = time.monotonic()
         try:
             with anyio.fail_after(60):
-                conn: Any
-                if api == "channel":
-                    conn = await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
-                else:
-                    conn = await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+                conn: Any = await open_client(api, port, ctx)
                 async with conn:
                     await conn.send(b"ping")
                     got = b""
@@ -316,11 +315,7 @@ async def probe(api: str, port: int, tlsdir: str) -> None:
             started = time.monotonic()
             try:
                 with anyio.fail_after(10):
-                    conn: Any
-                    if api == "channel":
-                        conn = await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
-                    else:
-                        conn = await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+                    conn: Any = await open_client(api, port, ctx)
                     async with conn:
                         await conn.send(b"ping")
                         got = b""

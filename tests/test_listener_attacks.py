@@ -31,12 +31,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import aiordma
 from aiordma._proto.protocol import (
     CAP_RDMA, HEADER, MAGIC, CloseCode, Connection, FrameType, Mode, Role, frame,
 )  # fmt: skip
 
-from ._listener_proc import Proc
+from ._listener_proc import Proc, open_client
 
 #: the worst echo round trip the canary may see while the listener is attacked (seconds); the
 #: canary's loop and the listener's share 2 cores with the attackers and the fuzzer
@@ -175,10 +174,7 @@ def cancelled_connects(t: Target, delays: list[float]) -> None:
 
     async def one(delay: float) -> None:
         with anyio.move_on_after(delay):
-            if t.api == "channel":
-                ch = await aiordma.connect_channel("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
-            else:
-                ch = await aiordma.connect("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
+            ch = await open_client(t.api, t.port, t.client_ctx)
             await ch.aclose()
 
     async def main() -> None:
@@ -193,10 +189,7 @@ def handler_raises(t: Target) -> None:
 
     async def main() -> None:
         with anyio.fail_after(10):
-            if t.api == "channel":
-                conn: Any = await aiordma.connect_channel("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
-            else:
-                conn = await aiordma.connect("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
+            conn: Any = await open_client(t.api, t.port, t.client_ctx)
             async with conn:
                 await conn.send(b"raise")
                 try:
@@ -211,10 +204,7 @@ def handler_raises(t: Target) -> None:
 def one_echo(t: Target) -> None:
     async def main() -> None:
         with anyio.fail_after(10):
-            if t.api == "channel":
-                conn: Any = await aiordma.connect_channel("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
-            else:
-                conn = await aiordma.connect("127.0.0.1", t.port, ssl=t.client_ctx, transport="tcp")
+            conn: Any = await open_client(t.api, t.port, t.client_ctx)
             async with conn:
                 await conn.send(b"ping")
                 assert await conn.receive() == b"ping"
