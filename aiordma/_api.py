@@ -438,7 +438,7 @@ async def create_listener(
     connection that sends not one byte within ``hello_timeout`` seconds (10) is dropped as
     silent, and so is the oldest silent one when the queue is full; one that started has
     ``handshake_timeout`` in all, and gives its slot to a ready client only once nothing moved
-    on it for a second (stalled: slow is not hostile).  Each drop is logged with its reason
+    on it for half of that (stalled: slow is not hostile).  Each drop is logged with its reason
     (logger ``aiordma``).  ``max_rdma_connections`` and
     ``max_pinned_bytes`` bound what RDMA clients may pin (defaults: half of the process's pinned
     limit, RLIMIT_MEMLOCK); beyond them a client gets TCP, with the limit in the reason.

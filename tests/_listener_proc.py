@@ -113,25 +113,15 @@ async def serve(api: str, tlsdir: str) -> None:
     ctx = server_context(tlsdir)
     state = {"connections": 0, "serving": True, "serve_error": ""}
 
-    async def echo_channel(ch: aiordma.Channel) -> None:
+    async def echo(conn: Any) -> None:
+        """A channel's messages or a stream's chunks, back as they came."""
         state["connections"] += 1
         try:
-            async with ch:
-                async for msg in ch:
-                    if msg == HANDLER_RAISE:
+            async with conn:
+                async for item in conn:
+                    if item == HANDLER_RAISE:
                         raise RuntimeError("the handler was asked to raise")
-                    await ch.send(msg)
-        finally:
-            state["connections"] -= 1
-
-    async def echo_stream(st: aiordma.Stream) -> None:
-        state["connections"] += 1
-        try:
-            async with st:
-                async for data in st:
-                    if data == HANDLER_RAISE:
-                        raise RuntimeError("the handler was asked to raise")
-                    await st.send(data)
+                    await conn.send(item)
         finally:
             state["connections"] -= 1
 
@@ -209,7 +199,6 @@ async def serve(api: str, tlsdir: str) -> None:
     else:
         make = aiordma.create_channel_listener if api == "channel" else aiordma.create_listener
         lst = await make("127.0.0.1", 0, ssl=ctx, transport="tcp")
-    handler = echo_stream if api == "stream" else echo_channel
 
     async with anyio.create_task_group() as tg:
 
@@ -221,7 +210,7 @@ async def serve(api: str, tlsdir: str) -> None:
         if api == "sim":
             tg.start_soon(inner_canary)
         try:
-            await lst.serve(handler)
+            await lst.serve(echo)
         except BaseException as exc:
             state["serving"] = False
             state["serve_error"] = repr(exc)

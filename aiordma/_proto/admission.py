@@ -46,10 +46,11 @@ run now) and to drop (close them, each with its reason), and changes nothing els
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Final
+
+from .protocol import HEADER, MAGIC, MAX_CONTROL_PAYLOAD
 
 __all__ = [
     "Admission",
@@ -80,12 +81,10 @@ HANDSHAKING: Final = "handshaking"
 SILENT: Final = "silent"
 STALLED: Final = "stalled"
 
-_MAGIC: Final = b"AIORDMA\n"
-_HEADER: Final = struct.Struct("!BBHI")
-#: the largest first frame waited for whole: a HELLO (4096-byte payload) or a TLS record
-#: (16 KiB + its 5-byte header, plus the expansion TLS allows); a longer claim is the
+#: the largest first frame waited for whole: a TLS record (16 KiB + its 5-byte header, plus the
+#: expansion TLS allows), more than a HELLO (MAX_CONTROL_PAYLOAD); a longer claim is the
 #: protocol's (or TLS's) to refuse, and counts as whole at once
-MAX_FIRST_FRAME: Final = 5 + (16 << 10) + 2048
+MAX_FIRST_FRAME: Final = max(5 + (16 << 10) + 2048, len(MAGIC) + HEADER.size + MAX_CONTROL_PAYLOAD)
 
 
 def first_frame_size(head: bytes, tls: bool) -> int:
@@ -100,12 +99,12 @@ def first_frame_size(head: bytes, tls: bool) -> int:
         if head[0] != 0x16:  # (not a handshake record: TLS refuses it)
             return len(head)
         return min(5 + int.from_bytes(head[3:5], "big"), MAX_FIRST_FRAME)
-    need = len(_MAGIC) + _HEADER.size
-    if head[: len(_MAGIC)] != _MAGIC[: len(head)]:
+    need = len(MAGIC) + HEADER.size
+    if head[: len(MAGIC)] != MAGIC[: len(head)]:
         return len(head)  # (not aiordma: the protocol says so)
     if len(head) < need:
         return need
-    length: int = _HEADER.unpack_from(head, len(_MAGIC))[3]
+    length: int = HEADER.unpack_from(head, len(MAGIC))[3]
     return min(need + length, MAX_FIRST_FRAME)
 
 

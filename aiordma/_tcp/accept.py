@@ -32,15 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.tls import TLSStream
-
-import struct
-import time
 
 from .._proto.admission import MAX_FIRST_FRAME, SILENT, Admission, Decision, first_frame_size
 from .._conn.core import Core, Link

@@ -716,7 +716,7 @@ class StreamLink(Link):
             if getattr(self.stream, "atomic_sends", False):
                 rest = chunks[done:] if done else chunks[:queued]
                 self._outbox[0:0] = [bytes(c) for c in rest]
-            elif done or len(chunks) > queued:  # (a write began: it may have been cut)
+            else:  # (a write began: it may have been cut)
                 self._send_error = BrokenResourceError(
                     "a send was cancelled in the middle of its frame; this stream (TLS) cannot finish it, so "
                     "nothing more can be sent on this connection"
