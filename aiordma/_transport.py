@@ -236,6 +236,7 @@ class AiordmaTransport(asyncio.Transport):
                 writer.write(chunks[0])
             else:
                 write_chunks(writer, chunks, link.fd)
+            link.written()
             return
         try:
             link.write_nowait(chunks)

@@ -238,10 +238,12 @@ class StreamWriter:
                 link.write_nowait(chunks)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return  # as with asyncio: write() never raises for a lost connection, drain() does
-        elif len(chunks) == 1 and type(chunks[0]) is bytes:
-            writer.write(chunks[0])
         else:
-            write_chunks(writer, chunks, getattr(link, "fd", -1))
+            if len(chunks) == 1 and type(chunks[0]) is bytes:
+                writer.write(chunks[0])
+            else:
+                write_chunks(writer, chunks, getattr(link, "fd", -1))
+            link.written()
 
     def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
         for chunk in data:

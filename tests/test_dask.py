@@ -488,6 +488,27 @@ async def test_comm_closed_explicit(kind: Kind) -> None:
     await check_comm_closed_explicit(kind.address)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tcp", "sim"])
+@gen_test(timeout=120)
+async def test_a_worker_that_reads_late_loses_nothing(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow is not dead (issue 31): a worker busy for 8 s (twice the default keepalive's user
+    timeout) before it reads a 48 MiB frame; the writer waits, every byte arrives.  Over TCP
+    this cost the connection before the window watch (``ETIMEDOUT`` at the writer)."""
+    k = _make_kind(name)
+    monkeypatch.setitem(backends, "rdma", k.backend)
+    reader, writer = await get_comm_pair(k.address)
+    payload = np.arange(6 << 20, dtype=np.int64)  # 48 MiB
+    msg = {"op": "data", "x": to_serialize(payload)}
+    write = asyncio.ensure_future(writer.write(msg))
+    await asyncio.sleep(8)
+    got = await wait_for(reader.read(), 60)
+    await wait_for(write, 60)
+    assert np.array_equal(got["x"], payload)
+    await reader.close()
+    await writer.close()
+
+
 @gen_test()
 async def test_comm_closed_on_read_error(kind: Kind) -> None:
     """A read interrupted (here by a timeout) leaves the comm in an unknown state: it is aborted."""

@@ -30,6 +30,8 @@ async def main():
         async def handler(ch):
             async with ch:
                 while True:
+                    if sys.argv[2] == "pause":
+                        await anyio.sleep(3600)  # (reads nothing: its window closes)
                     await ch.receive()
         print("listening", flush=True)
         await lst.serve(handler)
@@ -42,6 +44,9 @@ host, mode, keepalive = sys.argv[1], sys.argv[2], None if sys.argv[3] == "none" 
 async def main():
     ch = await aiordma.connect_channel(host, 9000, transport="tcp", keepalive=keepalive)
     await ch.send(b"hello")
+    if mode == "window":
+        await window_closed(ch)
+        return
     print("connected", flush=True)
     await anyio.to_thread.run_sync(sys.stdin.readline)  # the test took the link down
     t0 = time.monotonic()
@@ -56,6 +61,32 @@ async def main():
         print(f"broken after {time.monotonic() - t0:.2f} s: {exc.__cause__!r}", flush=True)
     except TimeoutError:
         print(f"still open after {time.monotonic() - t0:.2f} s", flush=True)
+async def window_closed(ch):
+    # send until the server's window has been closed for 3 s (a send waited that long), then the
+    # test takes the server's host away while this side still waits to send
+    failed = anyio.Event()
+    result = []
+    async def pump():
+        try:
+            while True:
+                await ch.send(b"x" * 65536)
+        except anyio.BrokenResourceError as exc:
+            result.append(exc)
+        failed.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pump)
+        with anyio.move_on_after(3):
+            await failed.wait()
+        print("connected" if not failed.is_set() else f"failed early: {result!r}", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+        t0 = time.monotonic()
+        with anyio.move_on_after(60):
+            await failed.wait()
+        if result:
+            print(f"broken after {time.monotonic() - t0:.2f} s: {result[0].__cause__!r}", flush=True)
+        else:
+            print(f"still open after {time.monotonic() - t0:.2f} s", flush=True)
+        tg.cancel_scope.cancel()
 anyio.run(main)
 """
 
@@ -116,7 +147,7 @@ def _line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
 def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, str, str, str], mode: str,
                                                           keepalive: str) -> None:  # fmt: skip
     client_ns, server_ns, address, server_dev = two_hosts
-    server = _run(server_ns, SERVER, address)
+    server = _run(server_ns, SERVER, address, "read")
     client = None
     try:
         assert _line(server) == "listening"
@@ -143,3 +174,36 @@ def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, 
     assert result.startswith("broken after"), result
     elapsed = float(result.split()[2])
     assert elapsed <= 2.0 + 1.0, result  # the bound, and a second for the scheduling of the probes
+
+
+@pytest.mark.slow
+def test_a_peer_host_that_dies_while_its_window_is_closed_is_noticed(two_hosts: tuple[str, str, str, str]) -> None:
+    """Slow is not dead, dead is still dead: the server reads nothing, the client's sends wait
+    for its window (closed for 3 s, three times the user timeout: the connection lives on), then
+    the server's host goes.  The window watch finds it by the unanswered window probes: within
+    about twice the time the window had been closed (the probes back off), plus the budget."""
+    client_ns, server_ns, address, server_dev = two_hosts
+    server = _run(server_ns, SERVER, address, "pause")
+    client = None
+    try:
+        assert _line(server) == "listening"
+        client = _run(client_ns, CLIENT, address, "window", "2")
+        assert _line(client) == "connected"  # (3 s with a closed window, and the connection lives)
+        ip("-n", server_ns, "link", "set", server_dev, "down")
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        result = _line(client, timeout=70)
+    finally:
+        for proc in (client, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+                for f in (proc.stdin, proc.stdout, proc.stderr):
+                    if f is not None:
+                        f.close()
+    print(f"window closed, then the host died: {result}")
+    assert result.startswith("broken after"), result
+    assert "probes unanswered" in result, result
+    elapsed = float(result.split()[2])
+    assert elapsed <= 2 * 3 + 1.0 + 8.0, result  # twice the closed time, the budget, and the probes' granularity

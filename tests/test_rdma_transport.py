@@ -430,6 +430,28 @@ async def test_full_duplex_with_a_late_reader_finishes(anyio_backend: Any, env: 
     assert got["a"] == b_data and got["b"] == a_data
 
 
+@pytest.mark.slow
+async def test_a_reader_that_pauses_past_the_keepalive_loses_nothing(anyio_backend: Any, env: Env) -> None:
+    """Slow is not dead (issue 31): the reader sleeps 8 s -- past the TCP link's keepalive (5 s)
+    and several of the liveness plan's probes -- while the sender waits for credits with 8 MiB;
+    then it reads everything.  The NIC answers the probes, so nothing ends."""
+    size = 8 << 20
+    data = os.urandom(size)
+    got = b""
+    async with no_fd_leak(), stream_pair_on(env) as (a, b):
+
+        async def paused_reader() -> None:
+            nonlocal got
+            await anyio.sleep(8)
+            got = await read_exactly(b, size)
+
+        with anyio.fail_after(60 if env.kind == "sim" else 300):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(paused_reader)
+                await a.send(data)
+    assert got == data
+
+
 async def test_a_timeout_fires_while_a_send_waits_for_a_peer_that_never_reads(anyio_backend: Any, env: Env) -> None:
     async with no_fd_leak(), stream_pair_on(env) as (a, _b):
         started = time.monotonic()

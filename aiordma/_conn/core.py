@@ -124,6 +124,9 @@ class Link(abc.ABC):
 
     direct_writer: Any = None
 
+    def written(self) -> None:
+        """A writer wrote to ``direct_writer`` (the link may start watching the socket)."""
+
     @property
     def transport(self) -> Any:
         """The TCP (asyncio) transport underneath, for ``get_extra_info``; None if there is none."""

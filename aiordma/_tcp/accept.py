@@ -39,11 +39,10 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.tls import TLSStream
 
 from .._proto.admission import MAX_FIRST_FRAME, SILENT, Admission, Decision, first_frame_size
 from .._conn.core import Core, Link
-from .links import AsyncioLink, StreamLink
+from .links import AsyncioLink, StreamLink, wrap_tls
 from .._proto.protocol import Mode, Role
 
 __all__ = ["Acceptor", "Spawn"]
@@ -371,8 +370,7 @@ class Acceptor:
             pending.link = stream  # (owns the socket now)
             try:
                 if opts.ssl is not None:
-                    stream = await TLSStream.wrap(stream, server_side=True, ssl_context=opts.ssl,
-                                                  standard_compatible=False)  # fmt: skip
+                    stream = await wrap_tls(stream, server_side=True, ssl_context=opts.ssl)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await anyio.aclose_forcefully(stream)

@@ -29,6 +29,7 @@ from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
+from .window import Step, WindowWatch, read_sample, set_user_timeout
 
 __all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive", "open_tcp_link", "running_on_asyncio"]
 
@@ -50,8 +51,10 @@ def set_keepalive(link: Link, seconds: float | None) -> bool:
     second left over covers the kernel's probe-interval granularity and a late timer.  An RDMA
     connection's TCP link carries no data but watches the connection: when it ends, the RDMA
     link fails too (with traffic the QP's own retries fail first, within about a second).
-    ``None`` leaves the socket as the OS made it.  Returns whether it could be set (not on
-    every platform or socket)."""
+    The user timeout would also end a connection whose peer only stopped reading (its window
+    closed): the link's :class:`~aiordma._tcp.window.WindowWatch` turns it off while that lasts
+    and judges the peer by its kernel's answers instead.  ``None`` leaves the socket as the OS
+    made it.  Returns whether it could be set (not on every platform or socket)."""
     if seconds is None:
         return False
     get = link.extra_attributes.get(SocketAttribute.raw_socket)
@@ -75,6 +78,9 @@ def set_keepalive(link: Link, seconds: float | None) -> bool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(budget * 1000)))
+            if isinstance(link, (AsyncioLink, StreamLink)):
+                # a peer whose window is closed is slow, not dead: see aiordma._tcp.window
+                link.watch_window(sock, WindowWatch(budget))
     except (OSError, AttributeError, TypeError) as exc:  # (a socket wrapper without setsockopt)
         log.debug("aiordma: could not set TCP keepalive: %s", exc)
         return False
@@ -246,6 +252,9 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._on_control: Callable[[bytes | None], None] | None = None
         self._eof_sent = False  # our half is closed (write_eof)
         self._linger: _Linger | None = None  # closing in order: our CLOSE is out, waiting for the peer's end
+        self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
+        self._window_sock: Any = None
+        self._window_timer: asyncio.TimerHandle | None = None
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -312,6 +321,9 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
         if self._on_control is not None:
             self._control_ended()
             if not self._closed_future.done():
@@ -365,6 +377,42 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 fut.set_result(None)
         if self.write_listener is not None:
             self.write_listener(False)
+
+    # -- the window watch (aiordma._tcp.window) -------------------------------
+
+    def watch_window(self, sock: Any, watch: WindowWatch) -> None:
+        """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
+        self._window, self._window_sock = watch, sock
+
+    def written(self) -> None:
+        """Bytes went to the transport: start looking, if the watch was idle.  Every writer of
+        ``direct_writer`` calls this (one attribute test when the watch already looks)."""
+        watch = self._window
+        if watch is not None and self._window_timer is None and not self.lost and watch.wrote():
+            self._window_timer = self._loop.call_later(watch.tick, self._look)
+
+    def _look(self) -> None:
+        self._window_timer = None
+        watch = self._window
+        if watch is None or self.lost:
+            return
+        step = watch.look(read_sample(self._window_sock), self._loop.time())
+        if step.user_timeout is not None:
+            set_user_timeout(self._window_sock, int(watch.budget * 1000) if step.user_timeout else 0)
+        if step.dead is not None:
+            self._peer_dead(step.dead)
+        elif step.again:
+            self._window_timer = self._loop.call_later(watch.tick, self._look)
+
+    def _peer_dead(self, exc: OSError) -> None:
+        core = self.core
+        log.info("aiordma: %s", exc)
+        if not core.closed and core.error is None:
+            core.feed_eof(exc)
+        self.abort()  # (connection_lost follows; the Core already has its error)
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     # -- internals -----------------------------------------------------------
 
@@ -468,6 +516,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             writer.write(chunks[0])
         else:
             write_chunks(writer, chunks, self.fd)
+        if self._window_timer is None:
+            self.written()
 
     async def drain(self) -> None:
         if not self.paused_writing or self.lost:
@@ -563,6 +613,54 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         return _socket_attributes(transport.get_extra_info)
 
 
+class SocketWriter(ByteStream):
+    """A TCP ``SocketStream`` whose sends write the socket themselves, non-blocking, waiting for
+    room with ``wait_writable`` -- the transport under a TLS stream, so that a TLS send that waits
+    for a closed window can still look at it (a :class:`StreamLink` sets ``wait_writable`` to its
+    watched wait).  Everything else is the socket stream's."""
+
+    def __init__(self, stream: SocketStream) -> None:
+        self.stream = stream
+        self.sock: Any = stream.extra(SocketAttribute.raw_socket)
+        self.wait_writable: Callable[[Any], Awaitable[None]] = anyio.wait_writable
+
+    async def send(self, item: bytes) -> None:
+        await anyio.lowlevel.checkpoint()
+        view = memoryview(item).cast("B")
+        sock = self.sock
+        while view:
+            try:
+                sent = sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                await self.wait_writable(sock)
+                continue
+            except OSError as exc:
+                raise BrokenResourceError(str(exc)) from exc
+            view = view[sent:]
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        return await self.stream.receive(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self.stream.extra_attributes
+
+
+async def wrap_tls(stream: SocketStream, *, server_side: bool, ssl_context: Any, hostname: str | None = None) -> ByteStream:
+    """TLS over ``stream``, on a :class:`SocketWriter` (see there), as anyio makes it (a client's
+    close says close_notify; a server's does not wait for the peer's)."""
+    from anyio.streams.tls import TLSStream
+
+    return await TLSStream.wrap(SocketWriter(stream), server_side=server_side, hostname=hostname,
+                                ssl_context=ssl_context, standard_compatible=not server_side)  # fmt: skip
+
+
 class StreamLink(Link):
     """A link over an ``anyio.abc.ByteStream`` (pull model, see module docs)."""
 
@@ -581,6 +679,13 @@ class StreamLink(Link):
         #: a plain TCP stream: sends write its socket here, so that the bytes of a send that is
         #: cancelled after its frame started are known to the byte (see ``send``)
         self._raw: Any = stream.extra(SocketAttribute.raw_socket, None) if isinstance(stream, SocketStream) else None
+        self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
+        self._window_sock: Any = None
+        self._receive_scope: anyio.CancelScope | None = None  # a reader waiting on the socket
+        self._dead: OSError | None = None  # the watch found the peer's host dead
+        below = getattr(stream, "transport_stream", None)
+        if isinstance(below, SocketWriter):  # (TLS: its sends wait for room through the watch)
+            below.wait_writable = self._wait_writable
         Core(proto, self)
 
     pulls = True
@@ -611,7 +716,7 @@ class StreamLink(Link):
             if self._feeds != seen or self.ended or core.closed:
                 return
             try:
-                data = await self.stream.receive(RECEIVE_SIZE)
+                data = await (self.stream.receive(RECEIVE_SIZE) if self._window is None else self._watched_receive())
             except EndOfStream:
                 self.ended = True
                 core.feed_eof()
@@ -634,6 +739,87 @@ class StreamLink(Link):
                         await self.aclose(core.proto.close(CloseCode.PROTOCOL_ERROR, str(core.error)))
             finally:
                 self._feeds += 1
+
+    # -- the window watch (aiordma._tcp.window) -------------------------------
+    #
+    # Nothing runs in the background here: the tasks that wait on the socket look.  A reader
+    # waiting in ``wait_incoming`` wakes every tick while bytes are queued (its wait has a
+    # deadline the sender sets); a sender waiting for room looks between waits.  When the last
+    # of them leaves with bytes queued, the watch stops the kernel from judging a closed window
+    # meanwhile (``unattended``); the next wait judges.
+
+    def watch_window(self, sock: Any, watch: WindowWatch) -> None:
+        """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
+        self._window, self._window_sock = watch, sock
+
+    def _apply(self, step: Step) -> None:
+        watch = self._window
+        assert watch is not None
+        if step.user_timeout is not None:
+            set_user_timeout(self._window_sock, int(watch.budget * 1000) if step.user_timeout else 0)
+        if step.dead is not None and self._dead is None:
+            self._dead = step.dead
+            log.info("aiordma: %s", step.dead)
+            if self._receive_scope is not None:
+                self._receive_scope.cancel()  # (the reader ends the receiving side with the error)
+            elif not self.ended:
+                self.ended = True
+                self.core.feed_eof(step.dead)
+
+    def _look(self) -> None:
+        """One look (a task waiting on the socket); raises the error if the peer is dead."""
+        if self._dead is None and self._window is not None:
+            self._apply(self._window.look(read_sample(self._window_sock), anyio.current_time()))
+        if self._dead is not None:
+            raise self._dead
+
+    def _leave(self) -> None:
+        """A sender leaves, or a reader while no sender is in: unless a reader still waits (it
+        looks: its wait gets a deadline), nobody looks until the next wait."""
+        watch = self._window
+        if watch is None or watch.state is not WindowWatch.KERNEL:
+            return
+        scope = self._receive_scope
+        if scope is not None:
+            scope.deadline = min(scope.deadline, anyio.current_time() + watch.tick)
+        else:
+            self._apply(watch.unattended(read_sample(self._window_sock)))
+
+    async def _watched_receive(self) -> bytes:
+        watch = self._window
+        assert watch is not None
+        try:
+            while True:
+                with anyio.CancelScope() as scope:
+                    self._receive_scope = scope
+                    if watch.looking:
+                        scope.deadline = anyio.current_time() + watch.tick
+                    try:
+                        return await self.stream.receive(RECEIVE_SIZE)
+                    finally:
+                        self._receive_scope = None
+                self._look()  # (the deadline passed: a look is due; or the peer is dead)
+        finally:
+            if not self._send_lock.locked():
+                self._leave()
+
+    async def _wait_writable(self, sock: Any) -> None:
+        watch = self._window
+        if watch is None:
+            await anyio.wait_writable(sock)
+            return
+        while True:
+            with anyio.move_on_after(watch.tick):
+                await anyio.wait_writable(sock)
+                return
+            self._look()
+
+    def _wrote(self) -> None:
+        """Bytes are about to go out: the watch looks (the sender while it waits for room, a
+        reader waiting on the socket from the next tick on)."""
+        watch = self._window
+        if watch is not None and watch.wrote() and self._receive_scope is not None:
+            self._receive_scope.deadline = anyio.current_time() + watch.tick
 
     def _broken_send(self, exc: BaseException) -> BrokenResourceError:
         err = BrokenResourceError(f"the connection is broken: {exc}")
@@ -660,14 +846,20 @@ class StreamLink(Link):
             async with self._send_lock:
                 if self._send_error is not None:  # (a sender before us was cut)
                     raise self._broken_send(self._send_error)
+                if self._dead is not None:
+                    raise self._dead
                 queued = len(self._outbox)
                 if queued:  # (answers queued while fed, or a cancelled send's rest, go first)
                     chunks = [*self._outbox, *chunks]
                     self._outbox = []
-                if self._raw is not None:
-                    await self._write_socket(chunks, queued)
-                else:
-                    await self._write_stream(chunks, queued)
+                self._wrote()
+                try:
+                    if self._raw is not None:
+                        await self._write_socket(chunks, queued)
+                    else:
+                        await self._write_stream(chunks, queued)
+                finally:
+                    self._leave()
         except (BrokenResourceError, ClosedResourceError, OSError) as exc:
             if self.core.closed:
                 raise ClosedResourceError from exc
@@ -690,7 +882,7 @@ class StreamLink(Link):
                     try:
                         sent = sock.send(view)
                     except (BlockingIOError, InterruptedError):
-                        await anyio.wait_writable(sock)
+                        await self._wait_writable(sock)
                         continue
                     started = True
                     view = view[sent:]
@@ -868,10 +1060,13 @@ async def open_tcp_link(
         )  # fmt: skip
     else:
         stream: ByteStream
+        stream = await anyio.connect_tcp(host, port)
         if ssl is not None:
-            stream = await anyio.connect_tcp(host, port, ssl_context=ssl, tls_hostname=server_hostname)
-        else:
-            stream = await anyio.connect_tcp(host, port)
+            try:
+                stream = await wrap_tls(stream, server_side=False, ssl_context=ssl, hostname=server_hostname or host)
+            except BaseException:
+                await anyio.aclose_forcefully(stream)
+                raise
         link = StreamLink(stream, make_protocol(anyio.current_time()))
     set_keepalive(link, keepalive)
     return link

@@ -1,0 +1,242 @@
+"""Slow is not dead: a TCP peer whose window is closed, and the user timeout (sans-IO).
+
+Theory of operation
+-------------------
+:func:`~aiordma._tcp.links.set_keepalive` bounds how long a dead peer host goes unnoticed with
+``TCP_USER_TIMEOUT``: bytes unacknowledged for that long end the connection.  But Linux also
+applies the user timeout to a peer that *advertises a zero window* -- its application does not
+read, its receive buffer is full -- for that long, even though its kernel answers every window
+probe (``tcp_probe_timer``: "the window has been closed for longer than the user timeout";
+``tcp_rtx_probe0_timed_out`` for a window that shrank under data in flight).  A reader that
+pauses for a few seconds (a Dask worker computing, a slow consumer) would lose its connection,
+and its sender the bytes ``send()`` had accepted.
+
+So a :class:`WindowWatch` looks at the socket (``TCP_INFO``: a :class:`TcpSample`) while it
+holds bytes for the peer, every :attr:`WindowWatch.tick` seconds -- a fraction of the user
+timeout, so that it always looks before the kernel would give up:
+
+=================  ====================================================  =====================
+state              sample                                                 then
+=================  ====================================================  =====================
+KERNEL (timeout    nothing queued                                         IDLE (stop looking)
+on: the kernel     the window closed (below one segment), bytes queued    timeout off, JUDGING
+judges)            otherwise                                              look again
+JUDGING (timeout   the peer dead (below)                                  DEAD
+off: the watch     nothing queued                                         timeout on, IDLE
+judges)            data in flight, no backoff (the window opened)         timeout on, KERNEL
+                   otherwise                                              look again
+=================  ====================================================  =====================
+
+While the timeout is off, the watch tells slow from dead by what the peer's *kernel* does, never
+by what its application does: a live host answers window probes (and retransmissions) with
+ACKs; a dead one answers nothing.  The peer counts as dead once nothing was acknowledged for the
+budget (the user timeout) **and** two probes in a row went unanswered (the kernel's count of
+unanswered probes, ``tcpi_probes``, or -- for retransmitted probes, which it does not count
+there -- two back-offs since the last ACK the watch saw).  One unanswered probe is normal for a
+live peer: Linux answers out-of-window segments at most every 500 ms (``tcp_invalid_ratelimit``)
+and the first probes come 200 and 400 ms apart; the probes back off after that, so two never
+both fall inside the limit.
+
+The probes back off exponentially while the window stays closed (up to two minutes apart), so a
+host that dies while its window is closed is found after about twice the time the window had
+been closed by then (more than the budget, at most about four minutes); a host that dies with
+the window open, or idle, is found within the budget, by the kernel (the user timeout, the
+keepalive).  Restoring the timeout is safe only once the kernel has forgotten how long the window
+was closed: it does so when the window opens (``tcp_ack_probe`` resets the back-off with the
+probe timestamp) or when nothing is queued.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "TCP_INFO_SIZE"]
+
+#: struct tcp_info (linux/tcp.h), the fields the watch reads, by offset
+_HEAD = struct.Struct("=BBBBB")  # state, ca_state, retransmits, probes, backoff
+_MSS_AT, _UNACKED_AT, _LAST_ACK_AT, _NOTSENT_AT, _SND_WND_AT = 16, 24, 56, 144, 228
+_U32 = struct.Struct("=I")
+#: bytes of TCP_INFO asked for (tcpi_snd_wnd ends at 232: Linux 5.4 and later)
+TCP_INFO_SIZE = 232
+
+
+@dataclass(frozen=True, slots=True)
+class TcpSample:
+    """What the kernel says of one TCP socket's sending side (from ``TCP_INFO``)."""
+
+    #: window probes sent since the peer last acknowledged anything (``tcpi_probes``)
+    probes: int
+    #: retransmission/probe back-off exponent (``tcpi_backoff``)
+    backoff: int
+    #: segments in flight, not acknowledged (``tcpi_unacked``)
+    unacked: int
+    #: bytes written and not sent yet (``tcpi_notsent_bytes``)
+    notsent: int
+    #: the peer's advertised window, bytes (``tcpi_snd_wnd``)
+    window: int
+    #: the sending segment size (``tcpi_snd_mss``)
+    mss: int
+    #: milliseconds since the last ACK from the peer (``tcpi_last_ack_recv``)
+    last_ack_ms: int
+
+    @property
+    def queued(self) -> bool:
+        """Whether the kernel holds bytes for the peer (in flight or not sent yet)."""
+        return self.unacked > 0 or self.notsent > 0
+
+    @property
+    def window_closed(self) -> bool:
+        """Bytes wait and the peer's window cannot take a segment."""
+        return self.queued and self.window < max(1, self.mss)
+
+
+def parse_sample(info: bytes) -> TcpSample | None:
+    """A :class:`TcpSample` from raw ``TCP_INFO`` bytes; None if the kernel's is too short."""
+    if len(info) < TCP_INFO_SIZE:
+        return None
+    _, _, _, probes, backoff = _HEAD.unpack_from(info, 0)
+    u32 = _U32.unpack_from
+    return TcpSample(
+        probes=probes, backoff=backoff, unacked=u32(info, _UNACKED_AT)[0], notsent=u32(info, _NOTSENT_AT)[0],
+        window=u32(info, _SND_WND_AT)[0], mss=u32(info, _MSS_AT)[0], last_ack_ms=u32(info, _LAST_ACK_AT)[0],
+    )  # fmt: skip
+
+
+def read_sample(sock: Any) -> TcpSample | None:
+    """Sample ``sock`` (a TCP socket, or a socket-like object with ``getsockopt``); None where
+    the platform or the socket cannot say (then the watch does nothing)."""
+    import socket
+
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
+    return parse_sample(info)
+
+
+def set_user_timeout(sock: Any, ms: int) -> bool:
+    """``TCP_USER_TIMEOUT`` (0: off, the kernel's own rules); whether it could be set."""
+    import socket
+
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return False
+    return True
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # nothing queued at the last look: no looks until the next write
+    KERNEL = "kernel"  # the user timeout is on
+    JUDGING = "judging"  # the user timeout is off: the watch judges the peer
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the driver does after a look."""
+
+    #: set the user timeout on (True) or off (False), or leave it (None)
+    user_timeout: bool | None = None
+    #: look again after ``tick`` seconds
+    again: bool = False
+    #: the peer is dead: end the connection with this error
+    dead: OSError | None = None
+
+
+_STAY = Step(again=True)
+_STOP = Step()
+
+
+class WindowWatch:
+    """The sans-IO watch (see module docs).  ``budget`` is the user timeout in seconds."""
+
+    KERNEL = State.KERNEL
+
+    def __init__(self, budget: float) -> None:
+        if budget <= 0:
+            raise ValueError("budget must be positive")
+        self.budget = budget
+        #: how often to look while bytes are queued: well inside the kernel's own timeout
+        self.tick = min(0.5, max(0.05, budget / 4))
+        self.state = State.IDLE
+        self._seen_at: float | None = None  # when the last sample was taken
+        self._backoff_at_ack = 0  # the back-off when the last ACK was seen (JUDGING)
+
+    @property
+    def looking(self) -> bool:
+        """Whether the watch wants looks (bytes were queued at the last one)."""
+        return self.state is State.KERNEL or self.state is State.JUDGING
+
+    def wrote(self) -> bool:
+        """Bytes were written: returns whether the driver must start looking."""
+        if self.state is State.IDLE:
+            self.state = State.KERNEL
+            return True
+        return False
+
+    def look(self, sample: TcpSample | None, now: float) -> Step:
+        """One look at the socket, at ``now`` (seconds, any monotonic clock)."""
+        state = self.state
+        if state is State.DEAD:
+            return _STOP
+        if sample is None:  # (the socket is gone, or the platform cannot say)
+            self.state = State.IDLE
+            return _STOP
+        seen_at, self._seen_at = self._seen_at, now
+        if state is not State.JUDGING:
+            if not sample.queued:
+                self.state = State.IDLE
+                return _STOP
+            if sample.window_closed:
+                self.state = State.JUDGING
+                self._backoff_at_ack = sample.backoff
+                return Step(user_timeout=False, again=True)
+            self.state = State.KERNEL
+            return _STAY
+        # JUDGING: was anything acknowledged since the last look?  (The clock of TCP_INFO ticks
+        # in jiffies: an ACK near the last look counts as after it -- the later verdict.)
+        if seen_at is None or sample.last_ack_ms <= (now - seen_at) * 1000 + 20:
+            self._backoff_at_ack = sample.backoff
+        if self._dead(sample):
+            self.state = State.DEAD
+            return Step(dead=self._error(sample))
+        if not sample.queued:
+            self.state = State.IDLE
+            return Step(user_timeout=True)
+        if sample.unacked > 0 and sample.backoff == 0:
+            self.state = State.KERNEL
+            return Step(user_timeout=True, again=True)
+        return _STAY
+
+    def unattended(self, sample: TcpSample | None) -> Step:
+        """Nobody will look for a while (a pull link whose tasks all left it).  Bytes not sent
+        yet may meet a closed window meanwhile, which the kernel must not judge: the timeout goes
+        off, and the next look judges.  Bytes only in flight cannot (a window is probed only for
+        bytes waiting to be sent): the kernel's timeout judges those, and the watch rests."""
+        if self.state is not State.KERNEL or sample is None:
+            return _STOP
+        if sample.notsent == 0 and not sample.window_closed:
+            self.state = State.IDLE
+            return _STOP
+        self.state = State.JUDGING
+        self._backoff_at_ack = sample.backoff
+        self._seen_at = None
+        return Step(user_timeout=False)
+
+    def _dead(self, s: TcpSample) -> bool:
+        if s.last_ack_ms < self.budget * 1000 or not s.queued:
+            return False
+        return s.probes >= 2 or s.backoff - self._backoff_at_ack >= 2
+
+    def _error(self, s: TcpSample) -> OSError:
+        probes = max(s.probes, s.backoff - self._backoff_at_ack)
+        return TimeoutError(
+            errno.ETIMEDOUT,
+            f"the peer host stopped answering: {probes} probes unanswered, nothing acknowledged for "
+            f"{s.last_ack_ms / 1000:.1f} s",
+        )

@@ -1,0 +1,176 @@
+"""Slow is not dead (issue 31, item 1): the sans-IO :class:`WindowWatch` against a model of
+Linux's zero-window probing.
+
+The model: the peer's window closes at 0; the sender's kernel probes it (the first probe after
+200 ms, then doubling, up to 120 s apart: ``tcp_send_probe0``); a live peer answers each probe
+unless it answered one less than 500 ms before (``tcp_invalid_ratelimit``); a dead one answers
+nothing from the moment it dies.  The watch looks every tick, late by a drawn amount, with gaps
+where nobody looks (a pull link nobody waits on).  A live peer is never judged dead; a dead one
+is judged within two probe intervals after it died, plus the budget and a look; and the user
+timeout is always back on once nothing is queued.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiordma._tcp.window import State, TcpSample, WindowWatch, parse_sample
+
+PROBE_BASE, PROBE_MAX, RATE_LIMIT = 0.2, 120.0, 0.5
+
+
+class Kernel:
+    """The sender's side of one connection whose peer's window is closed from time 0."""
+
+    def __init__(self, dies_at: float | None) -> None:
+        self.dies_at = dies_at
+        self.probes = 0  # unanswered, since the last ACK (icsk_probes_out)
+        self.backoff = 0
+        self.next_probe = PROBE_BASE
+        self.last_ack = 0.0
+        self.last_answer = -1.0
+        self.probe_times: list[float] = []
+
+    def run_until(self, now: float) -> None:
+        while self.next_probe <= now:
+            t = self.next_probe
+            self.probe_times.append(t)
+            self.probes += 1
+            self.backoff = min(self.backoff + 1, 15)
+            alive = self.dies_at is None or t < self.dies_at
+            if alive and t - self.last_answer >= RATE_LIMIT:
+                self.last_answer = self.last_ack = t
+                self.probes = 0
+            self.next_probe = t + min(PROBE_BASE * 2**self.backoff, PROBE_MAX)
+
+    def sample(self, now: float, queued: bool = True) -> TcpSample:
+        self.run_until(now)
+        return TcpSample(probes=self.probes, backoff=self.backoff, unacked=0, notsent=1 << 20 if queued else 0,
+                         window=0, mss=1448, last_ack_ms=int((now - self.last_ack) * 1000))  # fmt: skip
+
+
+looks = st.lists(
+    st.tuples(st.floats(0, 0.2), st.booleans(), st.floats(0.05, 40)),  # lateness, a gap?, its length
+    min_size=1, max_size=60,
+)  # fmt: skip
+
+
+def drive(watch: WindowWatch, kernel: Kernel, plan: list[tuple[float, bool, float]], until: float) -> float | None:
+    """Look as ``plan`` says until ``until``; the time the watch judged the peer dead, or None."""
+    now = 0.0
+    assert watch.wrote()
+    ut_on = True
+    i = 0
+    while now < until:
+        late, gap, length = plan[i % len(plan)]
+        i += 1
+        if gap and watch.state is not State.IDLE:
+            step = watch.unattended(kernel.sample(now))
+            if step.user_timeout is not None:
+                ut_on = step.user_timeout
+            now += length
+        else:
+            now += watch.tick + late
+        step = watch.look(kernel.sample(now), now)
+        if step.user_timeout is not None:
+            ut_on = step.user_timeout
+        if step.dead is not None:
+            return now
+        # the kernel's user timeout never sees a closed window once the watch has looked
+        assert not ut_on or now < watch.budget
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.sampled_from([1.0, 2.0, 4.0, 9.0]), plan=looks, until=st.floats(1, 600))
+def test_a_live_peer_whose_window_stays_closed_is_never_judged_dead(budget: float, plan: list[tuple[float, bool, float]],
+                                                                     until: float) -> None:  # fmt: skip
+    assert drive(WindowWatch(budget), Kernel(dies_at=None), plan, until) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.sampled_from([1.0, 2.0, 4.0, 9.0]), plan=looks, dies_at=st.floats(0, 300))
+def test_a_peer_that_dies_while_its_window_is_closed_is_found(budget: float, plan: list[tuple[float, bool, float]],
+                                                              dies_at: float) -> None:  # fmt: skip
+    kernel = Kernel(dies_at=dies_at)
+    found = drive(WindowWatch(budget), kernel, plan, until=dies_at + 2000)
+    assert found is not None
+    after = [t for t in kernel.probe_times if t >= dies_at]
+    second = after[1] if len(after) > 1 else after[0]  # (one may do: the probe before went unanswered)
+    longest_gap = max(length for _, gap, length in plan) if any(g for _, g, _ in plan) else 0.0
+    bound = max(second, kernel.last_ack + budget) + WindowWatch(budget).tick + 0.2 + longest_gap
+    assert dies_at <= found <= bound
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    samples=st.lists(
+        st.builds(TcpSample, probes=st.integers(0, 20), backoff=st.integers(0, 15), unacked=st.integers(0, 50),
+                  notsent=st.integers(0, 1 << 22), window=st.integers(0, 1 << 20), mss=st.integers(0, 9000),
+                  last_ack_ms=st.integers(0, 300_000)),  # fmt: skip
+        max_size=30,
+    ),
+    budget=st.floats(0.5, 30),
+)
+def test_the_user_timeout_is_off_only_while_a_window_is_closed_and_back_once_nothing_is_queued(
+    samples: list[TcpSample], budget: float
+) -> None:
+    watch = WindowWatch(budget)
+    ut_on = True
+    now = 0.0
+    watch.wrote()
+    for s in samples:
+        now += watch.tick
+        step = watch.look(s, now)
+        if step.user_timeout is False:
+            assert s.window_closed, "the timeout went off with the window open"
+        if step.user_timeout is not None:
+            ut_on = step.user_timeout
+        if step.dead is not None:
+            assert s.last_ack_ms >= budget * 1000, "judged dead although the peer acknowledged within the budget"
+            return
+        if not step.again:
+            watch.wrote()
+    drained = TcpSample(probes=0, backoff=0, unacked=0, notsent=0, window=65535, mss=1448, last_ack_ms=0)
+    step = watch.look(drained, now + watch.tick)
+    if step.user_timeout is not None:
+        ut_on = step.user_timeout
+    assert ut_on and watch.state is State.IDLE and not step.again
+
+
+def test_tcp_info_offsets_match_the_kernel() -> None:
+    """The parser against a real socket whose peer does not read: bytes queued, window closed."""
+    import socket
+    import time
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    client = socket.create_connection(lsock.getsockname())
+    server, _ = lsock.accept()
+    try:
+        client.setblocking(False)
+        sent = 0
+        deadline = time.monotonic() + 10
+        sample = None
+        while time.monotonic() < deadline:
+            try:
+                while True:
+                    sent += client.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            sample = parse_sample(client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
+            assert sample is not None
+            if sample.window_closed:
+                break
+            time.sleep(0.05)
+        assert sample is not None and sample.window_closed and sample.queued
+        assert 0 < sample.notsent <= sent and sample.mss > 0 and sample.last_ack_ms < 10_000
+        server.recv(1 << 20)
+        idle = parse_sample(server.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
+        assert idle is not None and not idle.queued and idle.window > 0
+    finally:
+        client.close()
+        server.close()
+        lsock.close()
