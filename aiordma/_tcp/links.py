@@ -29,7 +29,7 @@ from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
-from .window import Step, WindowWatch, read_sample, set_user_timeout
+from .window import State, Step, WindowWatch, read_sample, set_user_timeout
 
 __all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive", "open_tcp_link", "running_on_asyncio"]
 
@@ -85,6 +85,7 @@ def set_keepalive(link: Link, seconds: float | None) -> bool:
         log.debug("aiordma: could not set TCP keepalive: %s", exc)
         return False
     return True
+_IDLE, _KERNEL = State.IDLE, State.KERNEL
 #: How much a pull link asks its stream for at once.
 RECEIVE_SIZE = 256 << 10
 
@@ -682,6 +683,8 @@ class StreamLink(Link):
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._receive_scope: anyio.CancelScope | None = None  # a reader waiting on the socket
+        self._plain_reader = False  # a reader waits without a scope (nobody can make it look)
+        self._duplex = False  # a send came while a reader waited: readers wait in scopes from then on
         self._dead: OSError | None = None  # the watch found the peer's host dead
         below = getattr(stream, "transport_stream", None)
         if isinstance(below, SocketWriter):  # (TLS: its sends wait for room through the watch)
@@ -715,8 +718,20 @@ class StreamLink(Link):
         async with self._receive_lock:
             if self._feeds != seen or self.ended or core.closed:
                 return
+            watch = self._window
             try:
-                data = await (self.stream.receive(RECEIVE_SIZE) if self._window is None else self._watched_receive())
+                if watch is None:
+                    data = await self.stream.receive(RECEIVE_SIZE)
+                elif watch.state is _IDLE and not self._duplex:  # (nothing to look at: no scope)
+                    self._plain_reader = True
+                    try:
+                        data = await self.stream.receive(RECEIVE_SIZE)
+                    finally:
+                        self._plain_reader = False
+                        if watch.state is _KERNEL and not self._send_lock.locked():
+                            self._leave(watch)
+                else:
+                    data = await self._watched_receive(watch)
             except EndOfStream:
                 self.ended = True
                 core.feed_eof()
@@ -742,11 +757,18 @@ class StreamLink(Link):
 
     # -- the window watch (aiordma._tcp.window) -------------------------------
     #
-    # Nothing runs in the background here: the tasks that wait on the socket look.  A reader
-    # waiting in ``wait_incoming`` wakes every tick while bytes are queued (its wait has a
-    # deadline the sender sets); a sender waiting for room looks between waits.  When the last
-    # of them leaves with bytes queued, the watch stops the kernel from judging a closed window
-    # meanwhile (``unattended``); the next wait judges.
+    # Nothing runs in the background here: the tasks that wait on the socket look.  A sender
+    # waiting for room looks between waits; a reader waiting in ``wait_incoming`` wakes every
+    # tick while bytes are queued (its wait has a deadline, which a sender sets when it leaves
+    # bytes behind).  When the last of them leaves with bytes that may meet a closed window, the
+    # watch stops the kernel from judging it meanwhile (``unattended``); the next wait judges.
+    #
+    # A cancel scope costs a trio wait about 7 us, so a reader waits in one only while the watch
+    # looks, or once sends have come while a reader waited (a full-duplex connection): a reader
+    # that alternates with its sends (request, answer) costs one TCP_INFO per send.  (The first
+    # send that finds a reader waiting without a scope cannot make it look: until that reader
+    # or a sender waits again, a peer host that dies behind a closed window is the kernel's to
+    # find, in minutes.)
 
     def watch_window(self, sock: Any, watch: WindowWatch) -> None:
         """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
@@ -773,21 +795,19 @@ class StreamLink(Link):
         if self._dead is not None:
             raise self._dead
 
-    def _leave(self) -> None:
-        """A sender leaves, or a reader while no sender is in: unless a reader still waits (it
-        looks: its wait gets a deadline), nobody looks until the next wait."""
-        watch = self._window
-        if watch is None or watch.state is not WindowWatch.KERNEL:
-            return
+    def _leave(self, watch: WindowWatch) -> None:
+        """A sender leaves, or a reader while no sender is in, with the watch in KERNEL: unless a
+        reader still waits (it looks: its wait gets a deadline), nobody looks until the next wait."""
         scope = self._receive_scope
         if scope is not None:
             scope.deadline = min(scope.deadline, anyio.current_time() + watch.tick)
         else:
+            if self._plain_reader:
+                self._duplex = True
             self._apply(watch.unattended(read_sample(self._window_sock)))
 
-    async def _watched_receive(self) -> bytes:
-        watch = self._window
-        assert watch is not None
+    async def _watched_receive(self, watch: WindowWatch) -> bytes:
+        """A reader's wait in a scope whose deadline brings it back to look while the watch looks."""
         try:
             while True:
                 with anyio.CancelScope() as scope:
@@ -800,8 +820,8 @@ class StreamLink(Link):
                         self._receive_scope = None
                 self._look()  # (the deadline passed: a look is due; or the peer is dead)
         finally:
-            if not self._send_lock.locked():
-                self._leave()
+            if watch.state is _KERNEL and not self._send_lock.locked():
+                self._leave(watch)
 
     async def _wait_writable(self, sock: Any) -> None:
         watch = self._window
@@ -814,11 +834,10 @@ class StreamLink(Link):
                 return
             self._look()
 
-    def _wrote(self) -> None:
-        """Bytes are about to go out: the watch looks (the sender while it waits for room, a
-        reader waiting on the socket from the next tick on)."""
-        watch = self._window
-        if watch is not None and watch.wrote() and self._receive_scope is not None:
+    def _wrote(self, watch: WindowWatch) -> None:
+        """Bytes are about to go out (the watch was idle): it looks -- the sender while it waits
+        for room, a reader waiting on the socket from the next tick on."""
+        if watch.wrote() and self._receive_scope is not None:
             self._receive_scope.deadline = anyio.current_time() + watch.tick
 
     def _broken_send(self, exc: BaseException) -> BrokenResourceError:
@@ -852,14 +871,23 @@ class StreamLink(Link):
                 if queued:  # (answers queued while fed, or a cancelled send's rest, go first)
                     chunks = [*self._outbox, *chunks]
                     self._outbox = []
-                self._wrote()
+                watch = self._window
+                if watch is None:
+                    if self._raw is not None:
+                        await self._write_socket(chunks, queued)
+                    else:
+                        await self._write_stream(chunks, queued)
+                    return
+                if watch.state is _IDLE:
+                    self._wrote(watch)
                 try:
                     if self._raw is not None:
                         await self._write_socket(chunks, queued)
                     else:
                         await self._write_stream(chunks, queued)
                 finally:
-                    self._leave()
+                    if watch.state is _KERNEL:
+                        self._leave(watch)
         except (BrokenResourceError, ClosedResourceError, OSError) as exc:
             if self.core.closed:
                 raise ClosedResourceError from exc

@@ -50,38 +50,38 @@ from __future__ import annotations
 
 import enum
 import errno
+import socket
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "TCP_INFO_SIZE"]
 
-#: struct tcp_info (linux/tcp.h), the fields the watch reads, by offset
-_HEAD = struct.Struct("=BBBBB")  # state, ca_state, retransmits, probes, backoff
-_MSS_AT, _UNACKED_AT, _LAST_ACK_AT, _NOTSENT_AT, _SND_WND_AT = 16, 24, 56, 144, 228
-_U32 = struct.Struct("=I")
+#: struct tcp_info (linux/tcp.h), the fields the watch reads, in one unpack: tcpi_probes and
+#: tcpi_backoff (bytes 3-4), tcpi_snd_mss (16), tcpi_unacked (24), tcpi_last_ack_recv (56),
+#: tcpi_notsent_bytes (144), tcpi_snd_wnd (228)
+_FIELDS = struct.Struct("=3xBB11xI4xI28xI84xI80xI")
 #: bytes of TCP_INFO asked for (tcpi_snd_wnd ends at 232: Linux 5.4 and later)
-TCP_INFO_SIZE = 232
+TCP_INFO_SIZE = _FIELDS.size
 
 
-@dataclass(frozen=True, slots=True)
-class TcpSample:
+class TcpSample(NamedTuple):
     """What the kernel says of one TCP socket's sending side (from ``TCP_INFO``)."""
 
     #: window probes sent since the peer last acknowledged anything (``tcpi_probes``)
     probes: int
     #: retransmission/probe back-off exponent (``tcpi_backoff``)
     backoff: int
+    #: the sending segment size (``tcpi_snd_mss``)
+    mss: int
     #: segments in flight, not acknowledged (``tcpi_unacked``)
     unacked: int
+    #: milliseconds since the last ACK from the peer (``tcpi_last_ack_recv``)
+    last_ack_ms: int
     #: bytes written and not sent yet (``tcpi_notsent_bytes``)
     notsent: int
     #: the peer's advertised window, bytes (``tcpi_snd_wnd``)
     window: int
-    #: the sending segment size (``tcpi_snd_mss``)
-    mss: int
-    #: milliseconds since the last ACK from the peer (``tcpi_last_ack_recv``)
-    last_ack_ms: int
 
     @property
     def queued(self) -> bool:
@@ -93,29 +93,35 @@ class TcpSample:
         """Bytes wait and the peer's window cannot take a segment."""
         return self.queued and self.window < max(1, self.mss)
 
+    @property
+    def may_meet_a_closed_window(self) -> bool:
+        """What is queued may not fit in the peer's window (counting a full segment for each
+        one in flight): the window could close on it with nobody looking."""
+        return self.window_closed or (self.notsent > 0 and self.notsent + self.unacked * self.mss > self.window)
+
+
+_make = TcpSample._make
+_IPPROTO_TCP = socket.IPPROTO_TCP
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+
 
 def parse_sample(info: bytes) -> TcpSample | None:
     """A :class:`TcpSample` from raw ``TCP_INFO`` bytes; None if the kernel's is too short."""
     if len(info) < TCP_INFO_SIZE:
         return None
-    _, _, _, probes, backoff = _HEAD.unpack_from(info, 0)
-    u32 = _U32.unpack_from
-    return TcpSample(
-        probes=probes, backoff=backoff, unacked=u32(info, _UNACKED_AT)[0], notsent=u32(info, _NOTSENT_AT)[0],
-        window=u32(info, _SND_WND_AT)[0], mss=u32(info, _MSS_AT)[0], last_ack_ms=u32(info, _LAST_ACK_AT)[0],
-    )  # fmt: skip
+    return TcpSample._make(_FIELDS.unpack_from(info))
 
 
 def read_sample(sock: Any) -> TcpSample | None:
     """Sample ``sock`` (a TCP socket, or a socket-like object with ``getsockopt``); None where
     the platform or the socket cannot say (then the watch does nothing)."""
-    import socket
-
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
+        info = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, TCP_INFO_SIZE)
     except (OSError, AttributeError, TypeError, ValueError):
         return None
-    return parse_sample(info)
+    if len(info) < TCP_INFO_SIZE:
+        return None
+    return _make(_FIELDS.unpack_from(info))
 
 
 def set_user_timeout(sock: Any, ms: int) -> bool:
@@ -155,7 +161,6 @@ _STOP = Step()
 class WindowWatch:
     """The sans-IO watch (see module docs).  ``budget`` is the user timeout in seconds."""
 
-    KERNEL = State.KERNEL
 
     def __init__(self, budget: float) -> None:
         if budget <= 0:
@@ -217,10 +222,14 @@ class WindowWatch:
         """Nobody will look for a while (a pull link whose tasks all left it).  Bytes not sent
         yet may meet a closed window meanwhile, which the kernel must not judge: the timeout goes
         off, and the next look judges.  Bytes only in flight cannot (a window is probed only for
-        bytes waiting to be sent): the kernel's timeout judges those, and the watch rests."""
+        bytes waiting to be sent), nor bytes that fit in the peer's window: the kernel's timeout
+        judges those, and the watch rests."""
         if self.state is not State.KERNEL or sample is None:
             return _STOP
-        if sample.notsent == 0 and not sample.window_closed:
+        if sample.notsent == 0 and (sample.unacked == 0 or sample.window >= sample.mss):
+            self.state = State.IDLE  # (the common case, without a call)
+            return _STOP
+        if not sample.may_meet_a_closed_window:
             self.state = State.IDLE
             return _STOP
         self.state = State.JUDGING
