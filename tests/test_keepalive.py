@@ -141,23 +141,23 @@ def _line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     raise AssertionError("no output in time")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["idle", "sending"])
-@pytest.mark.parametrize("keepalive", ["2", "none"])
-def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, str, str, str], mode: str,
-                                                          keepalive: str) -> None:  # fmt: skip
+def _the_server_host_dies(two_hosts: tuple[str, str, str, str], server_mode: str, client_mode: str, keepalive: str,
+                          timeout: float) -> str:  # fmt: skip
+    """Start the server (``read`` or ``pause``) and the client (``idle``, ``sending`` or
+    ``window``); once the client says ``connected``, take the server's link down and tell the
+    client to go on; the client's last line (how its connection ended, or that it did not)."""
     client_ns, server_ns, address, server_dev = two_hosts
-    server = _run(server_ns, SERVER, address, "read")
+    server = _run(server_ns, SERVER, address, server_mode)
     client = None
     try:
         assert _line(server) == "listening"
-        client = _run(client_ns, CLIENT, address, mode, keepalive)
+        client = _run(client_ns, CLIENT, address, client_mode, keepalive)
         assert _line(client) == "connected"
         ip("-n", server_ns, "link", "set", server_dev, "down")  # the server's host is gone
         assert client.stdin is not None
         client.stdin.write("go\n")
         client.stdin.flush()
-        result = _line(client, timeout=20)
+        return _line(client, timeout=timeout)
     finally:
         for proc in (client, server):
             if proc is not None:
@@ -166,6 +166,14 @@ def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, 
                 for f in (proc.stdin, proc.stdout, proc.stderr):
                     if f is not None:
                         f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "sending"])
+@pytest.mark.parametrize("keepalive", ["2", "none"])
+def test_a_dead_peer_host_is_noticed_within_the_keepalive(two_hosts: tuple[str, str, str, str], mode: str,
+                                                          keepalive: str) -> None:  # fmt: skip
+    result = _the_server_host_dies(two_hosts, "read", mode, keepalive, timeout=20)
     print(f"keepalive={keepalive} {mode}: {result}")
     if keepalive == "none":
         # the control: without aiordma's bound, the OS waits far longer than the 12 s we watch
@@ -182,26 +190,8 @@ def test_a_peer_host_that_dies_while_its_window_is_closed_is_noticed(two_hosts: 
     for its window (closed for 3 s, three times the user timeout: the connection lives on), then
     the server's host goes.  The window watch finds it by the unanswered window probes: within
     about twice the time the window had been closed (the probes back off), plus the budget."""
-    client_ns, server_ns, address, server_dev = two_hosts
-    server = _run(server_ns, SERVER, address, "pause")
-    client = None
-    try:
-        assert _line(server) == "listening"
-        client = _run(client_ns, CLIENT, address, "window", "2")
-        assert _line(client) == "connected"  # (3 s with a closed window, and the connection lives)
-        ip("-n", server_ns, "link", "set", server_dev, "down")
-        assert client.stdin is not None
-        client.stdin.write("go\n")
-        client.stdin.flush()
-        result = _line(client, timeout=70)
-    finally:
-        for proc in (client, server):
-            if proc is not None:
-                proc.kill()
-                proc.wait(10)
-                for f in (proc.stdin, proc.stdout, proc.stderr):
-                    if f is not None:
-                        f.close()
+    # ("connected": 3 s with a closed window, and the connection lives)
+    result = _the_server_host_dies(two_hosts, "pause", "window", "2", timeout=70)
     print(f"window closed, then the host died: {result}")
     assert result.startswith("broken after"), result
     assert "probes unanswered" in result, result
