@@ -98,10 +98,105 @@ def client_context(tlsdir: str) -> ssl.SSLContext | None:
 
 
 async def open_client(api: str, port: int, ctx: ssl.SSLContext | None) -> Any:
-    """A client of a listener of ``api``: a channel for ``channel``, else a byte stream."""
+    """A client of a listener of ``api``: a channel for ``channel``, a Dask comm for ``dask``,
+    a grpclib bidirectional call for ``grpc`` (both behind :class:`_Messages`), else a byte
+    stream."""
     if api == "channel":
         return await aiordma.connect_channel("127.0.0.1", port, ssl=ctx, transport="tcp")
+    if api == "dask":
+        from distributed.comm import connect
+
+        return _Messages(await connect(f"rdma://127.0.0.1:{port}"))
+    if api == "grpc":
+        import aiordma.grpc
+        from grpclib.client import StreamStreamMethod
+
+        channel = aiordma.grpc.Channel("127.0.0.1", port, codec=RawCodec())
+        try:
+            call = StreamStreamMethod(channel, ECHO, bytes, bytes).open()
+            await call.__aenter__()
+            try:
+                await call.send_request()  # (connects: the aiordma handshake, then HTTP/2's)
+            except BaseException:
+                await call.__aexit__(None, None, None)
+                raise
+        except BaseException:
+            channel.close()
+            raise
+        return _Messages(call, channel)
     return await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+
+
+class _Messages:
+    """A Dask comm or a grpclib call with a channel's ``send``/``receive``/``aclose`` (what the
+    canary, burst and probe clients use): the peer's end is ``EndOfStream``, a failed call
+    ``BrokenResourceError``."""
+
+    def __init__(self, conn: Any, channel: Any = None) -> None:
+        self.conn = conn
+        self.channel = channel  # (grpc: the channel that owns the call's connection)
+
+    async def send(self, item: bytes) -> None:
+        if self.channel is None:
+            await self.conn.write(item)
+        else:
+            await self.conn.send_message(item)
+
+    async def receive(self) -> bytes:
+        from distributed.comm.core import CommClosedError
+
+        try:
+            got = await (self.conn.read() if self.channel is None else self.conn.recv_message())
+        except CommClosedError as exc:
+            raise anyio.EndOfStream from exc
+        except Exception as exc:
+            if self.channel is not None:
+                from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+                if isinstance(exc, (GRPCError, StreamTerminatedError)):  # (the server failed the call)
+                    raise anyio.BrokenResourceError(str(exc)) from exc
+            raise
+        if got is None:
+            raise anyio.EndOfStream
+        return bytes(got)
+
+    async def aclose(self) -> None:
+        if self.channel is None:
+            await self.conn.close()
+            return
+        try:
+            with anyio.move_on_after(5):
+                await self.conn.end()
+        except Exception:  # noqa: BLE001 - (a call the server failed has nothing to end)
+            pass
+        finally:
+            try:
+                await self.conn.__aexit__(None, None, None)
+            except Exception:  # noqa: BLE001 - (its status: the test looked at what it received)
+                pass
+            self.channel.close()
+
+    async def __aenter__(self) -> _Messages:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+#: the grpc listener's one method: a bidirectional stream that echoes each message
+ECHO = "/aiordma.test.Echo/Echo"
+
+
+class RawCodec:
+    """grpclib's codec for bytes messages (as examples/grpc_service.py's)."""
+
+    __content_subtype__ = "raw"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return bytes(data)
 
 
 async def readline() -> str:
@@ -165,6 +260,13 @@ async def serve(api: str, tlsdir: str) -> None:
             tg.cancel_scope.cancel()
         return
 
+    if api == "dask":
+        await serve_dask(state, control)
+        return
+    if api == "grpc":
+        await serve_grpc(state, control)
+        return
+
     inner: dict[str, Any] = {"echoes": 0, "worst": 0.0, "errors": [], "transport": None}
     inner_stop = anyio.Event()
     if api == "sim":
@@ -216,6 +318,85 @@ async def serve(api: str, tlsdir: str) -> None:
             state["serve_error"] = repr(exc)
             print(json.dumps({"serve_raised": repr(exc)}), file=sys.stderr, flush=True)
             raise
+
+
+async def serve_dask(state: dict[str, Any], control: Any) -> None:
+    """Dask's ``rdma://`` listener (``distributed.comm.listen``), plain: its comm handler echoes."""
+    import asyncio
+
+    from distributed.comm import listen
+    from distributed.comm.core import CommClosedError
+
+    async def echo(comm: Any) -> None:
+        state["connections"] += 1
+        try:
+            while True:
+                msg = await comm.read()
+                if msg == HANDLER_RAISE:
+                    raise RuntimeError("the handler was asked to raise")
+                await comm.write(msg)
+        except CommClosedError:
+            pass
+        finally:
+            state["connections"] -= 1
+            await comm.close()
+
+    listener = listen("rdma://127.0.0.1:0", echo)
+    await listener.start()
+    done = asyncio.Event()
+
+    async def stop() -> None:
+        task = listener.stop()
+        if task is not None:
+            await task
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(control, listener.get_host_port()[1], stop)
+        while not done.is_set():
+            # (serving: the listener's serve task runs -- what a client's bytes must never end)
+            serving = listener._serve_task  # noqa: SLF001 - the harness looks, nothing else reads it
+            state["serving"] = serving is not None and not serving.done()
+            with anyio.move_on_after(0.05):
+                await done.wait()
+
+
+async def serve_grpc(state: dict[str, Any], control: Any) -> None:
+    """grpclib's ``Server`` on :func:`aiordma.grpc.start_server`, plain: one bidirectional
+    method that echoes each message."""
+    import aiordma.grpc
+    from grpclib.const import Cardinality, Handler
+    from grpclib.server import Server
+
+    class Echo:
+        async def echo(self, stream: Any) -> None:
+            state["connections"] += 1
+            try:
+                async for message in stream:
+                    if message == HANDLER_RAISE:
+                        raise RuntimeError("the handler was asked to raise")
+                    await stream.send_message(message)
+            finally:
+                state["connections"] -= 1
+
+        def __mapping__(self) -> dict[str, Any]:
+            return {ECHO: Handler(self.echo, Cardinality.STREAM_STREAM, bytes, bytes)}
+
+    server = Server([Echo()], codec=RawCodec())  # type: ignore[arg-type]
+    listening = await aiordma.grpc.start_server(server, "127.0.0.1", 0)
+    done = anyio.Event()
+
+    async def stop() -> None:
+        server.close()
+        await server.wait_closed()
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(control, listening.sockets[0].getsockname()[1], stop)
+        while not done.is_set():
+            state["serving"] = listening.is_serving()
+            with anyio.move_on_after(0.05):
+                await done.wait()
 
 
 async def canary(api: str, port: int, tlsdir: str) -> None:

@@ -16,6 +16,7 @@ long run).  Every crash the fuzzer finds stays below as an explicit case.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import ssl
@@ -57,7 +58,7 @@ class Target:
 
     @property
     def mode(self) -> Mode:
-        return Mode.MESSAGES if self.api == "channel" else Mode.STREAM
+        return Mode.MESSAGES if self.api in ("channel", "dask") else Mode.STREAM
 
 
 def _combos() -> list[Any]:
@@ -68,6 +69,11 @@ def _combos() -> list[Any]:
                 continue
             for tls in (False, True):
                 out.append(pytest.param((loop, api, tls), id=f"{loop}-{api}-{'tls' if tls else 'plain'}"))
+    # the drop-in listeners (asyncio only; rdma:// does not encrypt, grpc's TLS is aiordma's)
+    for loop in ("asyncio", "uvloop"):
+        for api, module in (("dask", "distributed"), ("grpc", "grpclib")):
+            marks = [] if importlib.util.find_spec(module) else [pytest.mark.skip(reason=f"{module} is not installed")]
+            out.append(pytest.param((loop, api, False), id=f"{loop}-{api}-plain", marks=marks))
     return out
 
 
@@ -289,6 +295,10 @@ def test_no_client_takes_the_listener_down(target: Target, canary: Proc) -> None
     assert "dropped a client (127.0.0.1:" in log, log
     if target.api == "asyncio":  # (asyncio's convention: the loop's exception handler)
         assert "Unhandled exception in client_connected_cb" in log and "peer: ('127.0.0.1', " in log, log
+    elif target.api == "dask":
+        assert "rdma://: the handler of a comm from rdma://127.0.0.1:" in log, log
+    elif target.api == "grpc":  # (grpclib answers a failed handler with a status, and logs it)
+        assert "Application error" in log, log
     else:
         assert "the handler of a connection from 127.0.0.1:" in log, log
 
