@@ -108,10 +108,11 @@ async def open_client(api: str, port: int, ctx: ssl.SSLContext | None) -> Any:
 
         return _Messages(await connect(f"rdma://127.0.0.1:{port}"))
     if api == "grpc":
-        import aiordma.grpc
         from grpclib.client import StreamStreamMethod
 
-        channel = aiordma.grpc.Channel("127.0.0.1", port, codec=RawCodec())
+        from aiordma.grpc import Channel  # (not ``import aiordma.grpc``: that makes aiordma local here)
+
+        channel = Channel("127.0.0.1", port, codec=RawCodec())
         try:
             call = StreamStreamMethod(channel, ECHO, bytes, bytes).open()
             await call.__aenter__()
