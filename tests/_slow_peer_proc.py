@@ -3,8 +3,10 @@
 ``python -m tests._slow_peer_proc LOOP API ROLE PORT TLSDIR PAUSE SIZE``
     ROLE ``serve``: listens on 127.0.0.1 (any port), prints ``PORT n`` and takes one connection;
     ROLE ``connect``: connects to PORT.  Either way it reads nothing for PAUSE seconds, then
-    reads until SIZE bytes came (or the end), and prints one JSON line: ``received``,
-    ``sha256`` of the bytes in order, ``error`` (empty when none), ``paused`` (seconds).
+    reads until SIZE bytes came (or the end), closes, and prints one JSON line: ``received``,
+    ``sha256`` of the bytes in order, ``error`` (empty when none), ``paused`` (seconds),
+    ``closing`` (how long its close took, seconds) and ``close_error``.  A SIZE of 0 reads to the
+    end.
 
 API is ``channel`` (messages, concatenated), ``stream`` (anyio byte stream), ``asyncio``
 (``aiordma.asyncio`` reader/writer: the reader is simply not read) or ``protocol`` (an
@@ -40,7 +42,7 @@ async def read_all(api: str, conn: Any, pause: float, size: int) -> dict[str, An
             transport.pause_reading()
             await anyio.sleep(pause)
             transport.resume_reading()
-            while received < size and not proto.ended.is_set():
+            while (received < size or not size) and not proto.ended.is_set():
                 await proto.more.wait()
                 proto.more.clear()
                 chunks, proto.chunks = proto.chunks, []
@@ -52,7 +54,7 @@ async def read_all(api: str, conn: Any, pause: float, size: int) -> dict[str, An
             transport.close()
         else:
             await anyio.sleep(pause)
-            while received < size:
+            while received < size or not size:
                 if api == "asyncio":
                     chunk = await conn[0].read(1 << 20)
                     if not chunk:
@@ -91,12 +93,19 @@ class Reader(asyncio.Protocol):
         self.more.set()
 
 
-async def close(api: str, conn: Any) -> None:
-    if api == "asyncio":
-        conn[1].close()
-        await conn[1].wait_closed()
-    elif api != "protocol":
-        await conn.aclose()
+async def close(api: str, conn: Any, result: dict[str, Any]) -> None:
+    """Close ``conn``; how long it took and how it failed go into ``result``."""
+    started = time.monotonic()
+    result["close_error"] = ""
+    try:
+        if api == "asyncio":
+            conn[1].close()
+            await conn[1].wait_closed()
+        elif api != "protocol":
+            await conn.aclose()
+    except Exception as exc:  # noqa: BLE001 - reported
+        result["close_error"] = f"{type(exc).__name__}: {exc}"
+    result["closing"] = time.monotonic() - started
 
 
 async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: int) -> None:
@@ -115,7 +124,7 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
 
             conn = await aio.create_connection(Reader, "127.0.0.1", port, ssl=ctx, transport="tcp")
         result = await read_all(api, conn, pause, size)
-        await close(api, conn)
+        await close(api, conn, result)
         print(json.dumps(result), flush=True)
         return
 
@@ -123,8 +132,9 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
     done = anyio.Event()
 
     async def handle(conn: Any) -> None:
-        print(json.dumps(await read_all(api, conn, pause, size)), flush=True)
-        await close(api, conn)
+        result = await read_all(api, conn, pause, size)
+        await close(api, conn, result)
+        print(json.dumps(result), flush=True)
         done.set()
 
     if api in ("asyncio", "protocol"):

@@ -170,37 +170,34 @@ def unacknowledged(sock: Any) -> int:
 
 
 class _Linger:
-    """How long a closing TCP connection waits for its peer (see ``AsyncioLink.close_nowait``).
+    """How a closing TCP connection waits for its peer (see ``AsyncioLink.close_nowait``).
 
-    It ends when the peer's half ends (its FIN: it parsed our CLOSE), or when the peer's kernel
-    acknowledged every byte we sent and the peer sent nothing for a look (looks back off from
-    10 ms to 0.5 s: a peer that reads only when its application does, trio's, never answers
-    with a FIN while nobody reads there).  While bytes still leave (our unacknowledged bytes
-    shrink) or arrive, it waits on; ``CLOSE_TIMEOUT`` seconds without either and it gives up.
-    """
+    Our CLOSE is out and our half is ending (a FIN after it).  The wait ends in order when the
+    peer's half ends (its FIN: it parsed our CLOSE), or once the peer's kernel has acknowledged
+    every byte we sent, the CLOSE included: the peer has everything, and learns of our close
+    at its next receive -- or at its next send, since closing a socket that still receives
+    resets the connection (what the peer's kernel holds for its application stays readable).
+    So a producer that never reads stops our linger at once, and learns of it from the reset.
 
-    def __init__(self, now: float) -> None:
-        self.mark: tuple[int, int] | None = None
-        self.since = now
-        self.received = 0
-        self._seen = 0  # what had arrived at the last look
+    While bytes are unacknowledged it waits, however long: a slow reader is waited for as long
+    as its kernel answers.  Whether the peer is alive is the link's window watch's to judge
+    (:mod:`aiordma._tcp.window`), or without keepalive the kernel's retransmission timeout --
+    never a timer on progress.  Looks back off from 10 ms to 0.5 s."""
+
+    def __init__(self) -> None:
         self.tick = 0.01
 
-    def look(self, now: float, outstanding: int) -> str | None:
-        """``"delivered"`` (all acknowledged, the peer quiet), ``"stalled"``, or None (go on)."""
-        quiet = self.received == self._seen
-        self._seen = self.received
+    def look(self, outstanding: int) -> bool:
+        """Whether everything was delivered (``outstanding``: bytes not yet acknowledged)."""
         self.tick = min(self.tick * 2, 0.5)
-        if outstanding == 0 and quiet:
-            return "delivered"
-        return "stalled" if self.stalled(now, outstanding) else None
+        return outstanding == 0
 
-    def stalled(self, now: float, outstanding: int) -> bool:
-        mark = (outstanding, self.received)
-        if mark != self.mark:
-            self.mark, self.since = mark, now
-            return False
-        return now - self.since >= CLOSE_TIMEOUT
+
+def closing_failed(exc: BaseException) -> BrokenResourceError:
+    """What a close raises when the peer may not have everything (its host died, it reset)."""
+    err = BrokenResourceError(f"the connection broke before the peer had everything: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 class AsyncioLink(asyncio.BufferedProtocol, Link):
@@ -253,6 +250,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._on_control: Callable[[bytes | None], None] | None = None
         self._eof_sent = False  # our half is closed (write_eof)
         self._linger: _Linger | None = None  # closing in order: our CLOSE is out, waiting for the peer's end
+        self._close_error: BrokenResourceError | None = None  # the peer may not have everything (wait_closed)
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._window_timer: asyncio.TimerHandle | None = None
@@ -293,8 +291,6 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                     self._half_close()
             if core.closed:
                 core.discard()  # (lingering after our CLOSE: what comes is dropped)
-                if self._linger is not None:
-                    self._linger.received += nbytes
             # DATA went into core.rbuf without events: check the level every time
             elif not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
                 self._pause_reading()
@@ -322,6 +318,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._linger is not None and exc is not None and self.core.peer_close is None and self._close_error is None:
+            self._close_error = closing_failed(exc)  # (lingering: what we sent may not all be there)
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
@@ -408,6 +406,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def _peer_dead(self, exc: OSError) -> None:
         core = self.core
         log.info("aiordma: %s", exc)
+        if self._linger is not None and self._close_error is None:
+            self._close_error = closing_failed(exc)
         if not core.closed and core.error is None:
             core.feed_eof(exc)
         self.abort()  # (connection_lost follows; the Core already has its error)
@@ -540,20 +540,23 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def close_nowait(self, final: bytes) -> None:
         """Write ``final`` (our CLOSE) and start closing in order.
 
-        With a CLOSE to deliver, the connection lingers: our half ends after what is queued (a FIN),
-        and reading goes on -- what arrives is dropped -- until the peer's half ends too (it does
-        when it parses our CLOSE), so that the socket never closes with unread bytes: that would
-        make the kernel reset the connection and drop what the peer has yet to read.
-        :meth:`wait_closed` bounds it.  Without a CLOSE (the peer closed first, or the connection
-        failed) the transport just closes (it flushes first)."""
+        With a CLOSE to deliver, the connection lingers (:class:`_Linger`): our half ends after
+        what is queued (a FIN), and reading goes on -- what arrives is dropped -- until the
+        peer's half ends too (it does when it parses our CLOSE) or its kernel acknowledged all we
+        sent: the socket never closes while the peer's kernel has yet to take bytes of ours (a
+        close with unread bytes resets the connection, and the reset drops what is in flight).
+        A slow reader is waited for as long as its host is alive (the window watch judges).
+        :meth:`wait_closed` waits for it.  Without a CLOSE (the peer closed first, or the
+        connection failed) the transport just closes (it flushes first)."""
         writer = self.direct_writer
         if writer is not None and not writer.is_closing():
             if final:
                 writer.write(final)
             if final and self._on_control is None and not self._eof_sent and writer.can_write_eof():
                 self._eof_sent = True
-                self._linger = _Linger(self._loop.time())
-                self._linger.stalled(self._loop.time(), writer.get_write_buffer_size())
+                self._linger = _Linger()
+                if self._window_timer is None:
+                    self.written()  # (the watch judges the peer while it has bytes of ours to take)
                 if self._paused_reading:
                     self._resume_reading()
                 try:
@@ -573,9 +576,11 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._wake()
 
     async def wait_closed(self) -> None:
-        """Wait until the transport is gone: after the peer's end while lingering (as long as bytes
-        still leave or arrive; ``CLOSE_TIMEOUT`` seconds without and it aborts), else within
-        ``CLOSE_TIMEOUT`` (then it aborts).  Cancelled, it aborts."""
+        """Wait until the transport is gone.  Lingering (see :meth:`close_nowait`): until the
+        peer's half ended or its kernel has everything we sent, however long that takes while
+        the peer is alive; raises ``BrokenResourceError`` when it may not have everything (the
+        watch found its host dead, the connection was reset or timed out first).  Not lingering:
+        within ``CLOSE_TIMEOUT`` (then it aborts).  Cancelled, it aborts."""
         if self.transport is None:
             return
         try:
@@ -584,23 +589,22 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                 try:
                     await asyncio.wait_for(asyncio.shield(self._closed_future),
                                            linger.tick if linger is not None else CLOSE_TIMEOUT)  # fmt: skip
-                    return
+                    break
                 except asyncio.TimeoutError:
-                    if linger is None or self.direct_writer is None:
-                        break
                     writer = self.direct_writer
-                    outstanding = writer.get_write_buffer_size() + unacknowledged(writer.get_extra_info("socket"))
-                    verdict = linger.look(self._loop.time(), outstanding)
-                    if verdict == "delivered":
-                        self._linger = None
-                        writer.close()  # (nothing unread: a FIN, not a reset)
-                    elif verdict == "stalled":
+                    if linger is None or writer is None:
+                        self.abort()
+                        await self._closed_future
                         break
-            self.abort()
-            await self._closed_future
+                    outstanding = writer.get_write_buffer_size() + unacknowledged(writer.get_extra_info("socket"))
+                    if linger.look(outstanding):
+                        self._linger = None
+                        writer.close()  # (all acknowledged: a FIN, or a reset that drops nothing of ours)
         except asyncio.CancelledError:
             self.abort()
             raise
+        if self._close_error is not None:
+            raise self._close_error
 
     async def aclose(self, final: bytes) -> None:
         self.close_nowait(final)
@@ -954,9 +958,11 @@ class StreamLink(Link):
                 log.debug("aiordma: could not half-close after the peer's CLOSE: %r", exc)
 
     async def _linger(self) -> None:
-        """After our CLOSE: end our half, and read (dropping it) until the peer's half ends -- as long
-        as bytes still leave or arrive, ``CLOSE_TIMEOUT`` seconds without either and it gives up
-        (see ``AsyncioLink.close_nowait``).  Cancellable: the caller aborts then."""
+        """After our CLOSE: end our half, and read (dropping it) until the peer's half ends or its
+        kernel acknowledged everything we sent (see :class:`_Linger`), as long as the peer is
+        alive.  Raises ``BrokenResourceError`` when the peer may not have everything: the window
+        watch found its host dead, or the connection was reset or timed out first.
+        Cancellable: the caller aborts then."""
         try:
             async with self._send_lock:
                 await self.stream.send_eof()
@@ -968,28 +974,39 @@ class StreamLink(Link):
         if get_sock is None:
             return  # (not a socket: an in-memory pipe cannot reset what it carried)
         sock = get_sock()
-        linger = _Linger(anyio.current_time())
-        linger.stalled(linger.since, unacknowledged(sock))
+        linger = _Linger()
+        watch = self._window
+        if watch is not None and watch.state is _IDLE:
+            watch.wrote()  # (it judges the peer while it has bytes of ours to take)
+        look_at = anyio.current_time() + linger.tick
         while not self.ended:
-            with anyio.move_on_after(linger.tick):
+            with anyio.move_on_after(look_at - anyio.current_time()):
                 async with self._receive_lock:  # (a reader still in wait_incoming gets the end first)
                     if self.ended:
                         return
                     try:
                         data = await self.stream.receive(RECEIVE_SIZE)
-                    except (EndOfStream, BrokenResourceError, ClosedResourceError, OSError):
+                    except EndOfStream:
                         self.ended = True
+                        return
+                    except (BrokenResourceError, ClosedResourceError, OSError) as exc:
+                        self.ended = True
+                        if self.core.peer_close is None:  # (a reset purges what the kernel held)
+                            raise closing_failed(exc) from exc
                         return
                     finally:
                         self._feeds += 1
-                    linger.received += len(data)
                     self.core.feed(data)  # (parsed -- the peer's CLOSE -- and dropped)
-                continue
-            verdict = linger.look(anyio.current_time(), unacknowledged(sock))
-            if verdict == "delivered":
+                if anyio.current_time() < look_at:
+                    continue  # (bytes keep coming: read on until the look is due)
+            if linger.look(unacknowledged(sock)):
                 return
-            if verdict == "stalled":
-                raise TimeoutError("the peer took nothing and sent nothing while we closed")
+            look_at = anyio.current_time() + linger.tick
+            if watch is not None:
+                try:
+                    self._look()
+                except OSError as exc:  # (the watch: the peer's host is dead)
+                    raise closing_failed(exc) from exc
 
     async def aclose(self, final: bytes) -> None:
         if self.closed:
@@ -1009,10 +1026,7 @@ class StreamLink(Link):
                 except (BrokenResourceError, ClosedResourceError, EndOfStream, OSError) as exc:
                     log.debug("could not send CLOSE: %r", exc)  # (TLS: EndOfStream once the peer's end came)
                 if delivered and not self.ended:
-                    try:
-                        await self._linger()
-                    except TimeoutError as exc:
-                        log.info("aiordma: closing: %s; closing the socket as it is", exc)
+                    await self._linger()
         finally:
             await self._release()
 
