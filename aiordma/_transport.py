@@ -13,7 +13,8 @@ RDMA alike.  It calls its protocol as asyncio's own TCP transport does:
 * ``pause_writing()`` / ``resume_writing()`` around the write-buffer high and low marks;
 * ``connection_lost(exc)`` exactly once, last: ``None`` after ``close()``/``abort()`` or an
   orderly end, a ``ConnectionResetError`` (its ``__cause__`` the aiordma error) when the
-  connection failed.
+  connection failed -- also when, after ``close()``, the peer may not have everything (its host
+  died or it reset the connection before its kernel took what was written).
 
 Theory of operation
 -------------------
@@ -394,8 +395,11 @@ class AiordmaTransport(asyncio.Transport):
     async def _finish_close(self, exc: BaseException | None) -> None:
         try:
             await self._link.wait_closed()
-        except Exception as err:  # the teardown failed: still the end of the connection
+        except Exception as err:  # the peer may not have everything, or the teardown failed
             log.warning("aiordma: closing the connection failed: %r", err)
+            if exc is None:  # (the protocol learns it: there is no caller to raise to)
+                exc = ConnectionResetError(f"closing: {err}")
+                exc.__cause__ = err
         finally:
             self._call_connection_lost(exc)
 

@@ -296,7 +296,13 @@ class StreamWriter:
         return self._core.closed or self._link.lost
 
     async def wait_closed(self) -> None:
-        await self._link.wait_closed()
+        """Wait until the connection is closed: after a ``close()`` with bytes for the peer, until
+        the peer has them all (however long a live peer takes to read); ``ConnectionResetError``
+        (its cause: why) when it may not have them all -- its host died, it reset the connection."""
+        try:
+            await self._link.wait_closed()
+        except anyio.BrokenResourceError as exc:
+            raise ConnectionResetError(str(exc)) from exc
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:

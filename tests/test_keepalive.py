@@ -47,6 +47,9 @@ async def main():
     if mode == "window":
         await window_closed(ch)
         return
+    if mode == "closing":
+        await closing(ch)
+        return
     print("connected", flush=True)
     await anyio.to_thread.run_sync(sys.stdin.readline)  # the test took the link down
     t0 = time.monotonic()
@@ -59,6 +62,26 @@ async def main():
                     await ch.send(b"x" * 65536)
     except anyio.BrokenResourceError as exc:
         print(f"broken after {time.monotonic() - t0:.2f} s: {exc.__cause__!r}", flush=True)
+    except TimeoutError:
+        print(f"still open after {time.monotonic() - t0:.2f} s", flush=True)
+async def closing(ch):
+    # send until 1 MiB waits here for the server, which reads nothing; the test takes the
+    # server's host away; then close: the close must not pretend the bytes were delivered
+    from anyio.abc import SocketAttribute
+    from aiordma._tcp.links import unacknowledged
+    sock = ch.extra(SocketAttribute.raw_socket)
+    while unacknowledged(sock) < 1 << 20:
+        await ch.send(b"x" * 65536)
+        await anyio.sleep(0.005)
+    print("connected", flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)
+    t0 = time.monotonic()
+    try:
+        with anyio.fail_after(30):
+            await ch.aclose()
+        print(f"closed after {time.monotonic() - t0:.2f} s", flush=True)
+    except anyio.BrokenResourceError as exc:
+        print(f"broken after {time.monotonic() - t0:.2f} s: {exc!r}", flush=True)
     except TimeoutError:
         print(f"still open after {time.monotonic() - t0:.2f} s", flush=True)
 async def window_closed(ch):
@@ -197,3 +220,18 @@ def test_a_peer_host_that_dies_while_its_window_is_closed_is_noticed(two_hosts: 
     assert "probes unanswered" in result, result
     elapsed = float(result.split()[2])
     assert elapsed <= 2 * 3 + 1.0 + 8.0, result  # twice the closed time, the budget, and the probes' granularity
+
+
+@pytest.mark.slow
+def test_a_close_whose_peer_host_dies_raises(two_hosts: tuple[str, str, str, str]) -> None:
+    """A close is a close: 1 MiB waits at the client for a server that reads nothing, then the
+    server's host goes and the client closes.  ``aclose()`` lingers while the peer could still
+    take the bytes, and raises ``BrokenResourceError`` once the window watch finds the host dead
+    -- it never returns as if the bytes were delivered (before: it gave up after 5 s without
+    progress and returned normally)."""
+    result = _the_server_host_dies(two_hosts, "pause", "closing", "2", timeout=40)
+    print(f"closing, then the host died: {result}")
+    assert result.startswith("broken after"), result
+    assert "before the peer had everything" in result, result
+    elapsed = float(result.split()[2])
+    assert elapsed <= 15.0, result
