@@ -144,19 +144,20 @@ class _Messages:
             await self.conn.send_message(item)
 
     async def receive(self) -> bytes:
-        from distributed.comm.core import CommClosedError
+        # (each side imports only its own library: either may be installed without the other)
+        if self.channel is None:
+            from distributed.comm.core import CommClosedError
+
+            try:
+                return bytes(await self.conn.read())
+            except CommClosedError as exc:
+                raise anyio.EndOfStream from exc
+        from grpclib.exceptions import GRPCError, StreamTerminatedError
 
         try:
-            got = await (self.conn.read() if self.channel is None else self.conn.recv_message())
-        except CommClosedError as exc:
-            raise anyio.EndOfStream from exc
-        except Exception as exc:
-            if self.channel is not None:
-                from grpclib.exceptions import GRPCError, StreamTerminatedError
-
-                if isinstance(exc, (GRPCError, StreamTerminatedError)):  # (the server failed the call)
-                    raise anyio.BrokenResourceError(str(exc)) from exc
-            raise
+            got = await self.conn.recv_message()
+        except (GRPCError, StreamTerminatedError) as exc:  # (the server failed the call)
+            raise anyio.BrokenResourceError(str(exc)) from exc
         if got is None:
             raise anyio.EndOfStream
         return bytes(got)

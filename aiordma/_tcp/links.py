@@ -555,8 +555,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
             if final and self._on_control is None and not self._eof_sent and writer.can_write_eof():
                 self._eof_sent = True
                 self._linger = _Linger()
-                if self._window_timer is None:
-                    self.written()  # (the watch judges the peer while it has bytes of ours to take)
+                self.written()  # (the watch judges the peer while it has bytes of ours to take)
                 if self._paused_reading:
                     self._resume_reading()
                 try:
@@ -977,7 +976,7 @@ class StreamLink(Link):
         linger = _Linger()
         watch = self._window
         if watch is not None and watch.state is _IDLE:
-            watch.wrote()  # (it judges the peer while it has bytes of ours to take)
+            self._wrote(watch)  # (it judges the peer while it has bytes of ours to take)
         look_at = anyio.current_time() + linger.tick
         while not self.ended:
             with anyio.move_on_after(look_at - anyio.current_time()):
