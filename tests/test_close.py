@@ -263,6 +263,13 @@ PROPERTY = settings(
              "holds": [("closer", "acks", 0.0584, 0.3), ("closer", "reads", 0.0687, 0.0),
                        ("closer", "reads", 0.139, 0.139)]},
 )  # fmt: skip
+@example(  # the peer's second 16 MiB rendezvous waits for staging room; the closer's CLOSE waits
+    # behind the closer's own 16 MiB rendezvous, which the peer's sender READs itself (a poll in its
+    # incoming() before it parks) -- it parsed the CLOSE, woke every waiter but not yet itself, then
+    # parked: it waited for ever (the test's 60 s)
+    program={"closer_sends": [16 << 20], "peer_sends": [329640, 8 << 20, 16 << 20], "closer_eof_first": False,
+             "closer_reads": 0, "read_size": 1 << 20, "reader_pauses": [], "holds": []},
+)  # fmt: skip
 @PROPERTY
 async def test_the_peer_receives_exactly_what_the_closer_sent_then_eof(
     anyio_backend: Any, kind: str, mode: str, program: dict[str, Any]

@@ -57,3 +57,12 @@ async def test_parking_counts_the_tasks_that_wait(anyio_backend: Any) -> None:
         await anyio.sleep(0.02)
         tg.cancel_scope.cancel()
     assert len(parking) == 0  # a cancelled wait leaves nothing behind
+
+
+async def test_parking_counts_its_wakes_even_with_nobody_waiting(anyio_backend: Any) -> None:
+    """``wakes`` lets a task that does synchronous work before it parks see that the work woke
+    the waiters (itself included, before it waited): it must then look again, not park."""
+    parking = current_io().parking()
+    before = parking.wakes
+    parking.unpark_all()  # (nobody waits: a bare lot would forget it)
+    assert parking.wakes == before + 1

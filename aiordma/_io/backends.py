@@ -17,7 +17,10 @@ that wait.  Each backend gives three things, in the spirit of httpcore's
 * parking: ``parking()`` gives a place where tasks wait (``await
   parking.park()``) until ``parking.unpark_all()``; a cancelled wait leaves
   nothing behind (asyncio: futures, the cancelled ones pruned; trio: a
-  ``ParkingLot``).
+  ``ParkingLot``).  ``parking.wakes`` counts the ``unpark_all`` calls: a task
+  that does synchronous work before it parks (work that may itself wake the
+  others -- parse what arrived, finish a READ) compares it before and after,
+  and does not park if it changed (it would sleep through its own wake).
 * ``checkpoint()``: a schedule point and cancel point.
 * timers: ``clock()`` is the loop's clock (seconds) and ``call_later(delay, callback)``
   calls ``callback()`` once, in the loop's thread, ``delay`` seconds from now, unless the
@@ -69,11 +72,12 @@ def _guarded(callback: Callable[[], bool | None]) -> Callable[[], bool]:
 class AsyncioParking:
     """Tasks waiting for the same thing, woken together (asyncio futures)."""
 
-    __slots__ = ("_new", "_waiters")
+    __slots__ = ("_new", "_waiters", "wakes")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._new = loop.create_future
         self._waiters: list[asyncio.Future[None]] = []
+        self.wakes = 0
 
     def __len__(self) -> int:
         """How many tasks wait here now (trio's ``ParkingLot`` has the same)."""
@@ -88,12 +92,33 @@ class AsyncioParking:
         return fut
 
     def unpark_all(self) -> None:
+        self.wakes += 1
         waiters = self._waiters
         if waiters:
             self._waiters = []
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
+
+
+class TrioParking:
+    """Tasks waiting for the same thing, woken together (a trio ``ParkingLot``)."""
+
+    __slots__ = ("_lot", "wakes")
+
+    def __init__(self, lot: Any) -> None:
+        self._lot = lot
+        self.wakes = 0
+
+    def __len__(self) -> int:
+        return len(self._lot)
+
+    def park(self) -> Awaitable[None]:
+        return self._lot.park()  # type: ignore[no-any-return]
+
+    def unpark_all(self) -> None:
+        self.wakes += 1
+        self._lot.unpark_all()
 
 
 class IOBackend:
@@ -226,7 +251,7 @@ class TrioIO(IOBackend):
         self._trio.lowlevel.notify_closing(fd)
 
     def parking(self) -> Any:
-        return self._trio.lowlevel.ParkingLot()
+        return TrioParking(self._trio.lowlevel.ParkingLot())
 
     def checkpoint(self) -> Awaitable[None]:
         return self._trio.lowlevel.checkpoint()

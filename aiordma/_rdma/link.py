@@ -624,6 +624,8 @@ class RdmaLink(RemoteOps, Link):
         session = self.session
         if session is None or session.error is not None or self._closing or self.core.closed:
             return self.wait_incoming()
+        parking = self._parking
+        wakes = parking.wakes
         fetch = self._stream_fetch
         if fetch is not None and not fetch[2]:
             # a reader waits although much is buffered: it wants more (a long line): READ it now
@@ -639,7 +641,11 @@ class RdmaLink(RemoteOps, Link):
                 self._track_sq()
         if not self._watched and self._probing:
             self._watch_liveness()
-        return self._parking.park()  # type: ignore[no-any-return]
+        if parking.wakes != wakes:
+            # what ran above (a poll, a finished READ that resumed the protocol) woke the
+            # waiters -- this task among them, before it parked: it looks again instead
+            return self.io.checkpoint()
+        return parking.park()  # type: ignore[no-any-return]
 
     def consumed(self) -> None:
         session = self.session

@@ -359,6 +359,10 @@ class RemoteOps:
                 self.scope.give_region(region)  # (its WR completed)
         core.send_memory_nowait(core.memory.rendezvous_done(rv))
         core.resume_after_rendezvous()
+        # (this may run in a reader's consumed() or a waiter's incoming(), not in a wake: what
+        # the resumed protocol parsed -- the peer's CLOSE, its RNDV_DONEs -- concerns the other
+        # waiters too, a sender waiting for staging room or credits above all)
+        self._wake_all()
 
     async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
         """RDMA READ ``n`` bytes into a staging region and return them (one copy)."""
