@@ -18,6 +18,7 @@ import ssl
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -27,6 +28,8 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma.testing import channel_pair
+
+from ._pairs import served_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -58,19 +61,9 @@ async def pair(kind: str, tlsdir: str) -> AsyncIterator[tuple[aiordma.Channel, a
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(os.path.join(tlsdir, "server.pem"))
     client_ctx = ssl.create_default_context(cafile=os.path.join(tlsdir, "ca.pem"))
-    send, receive = anyio.create_memory_object_stream[Any](1)
-    async with await aiordma.create_channel_listener("127.0.0.1", 0, ssl=server_ctx) as lst, send, receive:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lst.serve, send.send)
-            client = await aiordma.connect_channel("127.0.0.1", lst.port, ssl=client_ctx)
-            server = await receive.receive()
-            tg.cancel_scope.cancel()
-    try:
-        yield client, server
-    finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()
-            await server.aclose()
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, ssl=server_ctx)
+    async with served_pair(listener, partial(aiordma.connect_channel, "127.0.0.1", ssl=client_ctx)) as p:
+        yield p
 
 
 async def run_program(kind: str, tlsdir: str, senders: list[list[tuple[int, float | None]]],

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -31,6 +32,7 @@ from aiordma import RdmaConfig
 from aiordma.testing import SimFabric, channel_pair, simulated_backend, stream_pair
 
 from ._leaks import no_fd_leak
+from ._pairs import served_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -47,21 +49,11 @@ async def sim_pair(
 ) -> AsyncIterator[tuple[Any, Any]]:
     """Client and server over the simulated wire (or TCP), both closed on exit."""
     backend = simulated_backend(config, fabric=fabric)
-    send, receive = anyio.create_memory_object_stream[Any](1)
     make = aiordma.create_listener if mode == "stream" else aiordma.create_channel_listener
     connect = aiordma.connect if mode == "stream" else aiordma.connect_channel
-    async with await make("127.0.0.1", 0, transport=kind, rdma_backend=backend) as listener, send, receive:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(listener.serve, send.send)
-            client = await connect("127.0.0.1", listener.port, transport=kind, rdma_backend=backend)
-            server = await receive.receive()
-            tg.cancel_scope.cancel()
-    try:
-        yield client, server
-    finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()
-            await server.aclose()
+    listener = await make("127.0.0.1", 0, transport=kind, rdma_backend=backend)
+    async with served_pair(listener, partial(connect, "127.0.0.1", transport=kind, rdma_backend=backend)) as pair:
+        yield pair
 
 
 @pytest.fixture
@@ -165,21 +157,85 @@ async def test_a_cancelled_close_is_an_error_for_the_peer_never_a_short_stream(
         assert error is not None and len(got) < len(payload)
 
 
-async def test_close_gives_up_on_a_peer_that_takes_nothing(anyio_backend: Any, fabric: SimFabric) -> None:
-    """A peer that never READs what it was sent: aclose waits ``close_timeout`` without progress,
-    then aborts (bounded), and the peer sees an error."""
-    config = RdmaConfig(close_timeout=0.5)
+@pytest.mark.parametrize("mode", ["stream", "channel"])
+async def test_close_waits_for_a_peer_that_takes_nothing_while_it_is_alive(
+    anyio_backend: Any, fabric: SimFabric, mode: str
+) -> None:
+    """A peer that READs nothing for 4 x ``close_timeout`` while its host answers the liveness
+    probes is slow, not dead: aclose waits for it (a socket's linger), returns normally once it
+    has taken everything, and the peer gets every byte, then EOF."""
+    config = RdmaConfig(close_timeout=0.5, liveness_probe=0.05)
+    payload = os.urandom(BIG + 777)
+    async with no_fd_leak(), sim_pair(mode, fabric, config) as (client, server):
+        fabric.hold(_qp(client), reads=True)
+        await server.send(payload)
+        result: dict[str, Any] = {}
+
+        async def close() -> None:
+            await server.aclose()
+            result["closed"] = True
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(close)
+                await anyio.sleep(2.0)
+                assert "closed" not in result, "aclose returned before the peer READ the staged bytes"
+                fabric.release(_qp(client))
+                got, error = await read_all(client, mode)
+        assert result["closed"]
+    assert error is None, f"the reader failed after {len(got)} bytes: {error!r} ({error.__cause__!r})"
+    assert got == payload
+
+
+async def test_a_close_whose_peer_dies_raises(anyio_backend: Any, fabric: SimFabric) -> None:
+    """The peer's host dies while aclose waits for it to READ: the liveness probes find it within
+    their retry budget and aclose raises ``BrokenResourceError`` (after the teardown) -- it does
+    not report a delivery that did not happen."""
+    config = RdmaConfig(close_timeout=0.5, liveness_probe=0.05)
     async with no_fd_leak(), sim_pair("stream", fabric, config) as (client, server):
         fabric.hold(_qp(client), reads=True)
         await server.send(os.urandom(BIG))
-        started = time.monotonic()
-        with anyio.fail_after(10):
-            await server.aclose()
-        assert 0.4 < time.monotonic() - started < 5
-        fabric.release(_qp(client))
-        with anyio.fail_after(10):
-            got, error = await read_all(client, "stream")
-        assert error is not None
+        result: dict[str, Any] = {}
+
+        async def close() -> None:
+            try:
+                await server.aclose()
+            except BrokenResourceError as exc:
+                result["error"] = exc
+            result["after"] = time.monotonic() - died
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(close)
+                await anyio.sleep(0.3)
+                died = time.monotonic()
+                fabric.kill_qp(_qp(client))
+    assert "error" in result, "aclose returned normally though the peer never had the bytes"
+    assert "before the peer had everything" in str(result["error"])
+    assert result["after"] < 5
+
+
+@pytest.mark.parametrize("order", ["together", "reader-later"])
+@pytest.mark.parametrize("mode", ["stream", "channel"])
+async def test_a_peer_that_closes_without_reading_ends_the_linger_in_order(
+    anyio_backend: Any, fabric: SimFabric, mode: str, order: str
+) -> None:
+    """The closer waits for its staged bytes; the peer never READs them and closes (at the same
+    time, or a second later): that is the peer's choice, not a failure.  Both closes return
+    normally -- the later one's goodbye tells the closer it closed in order, not that it died --
+    and neither waits for a timeout."""
+    config = RdmaConfig(close_timeout=5.0, liveness_probe=0.05)
+    async with no_fd_leak():
+        async with sim_pair(mode, fabric, config) as (client, server):
+            await server.send(os.urandom(BIG + 777))
+            started = time.monotonic()
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(server.aclose)  # raises if it thinks the connection broke
+                    if order == "reader-later":
+                        await anyio.sleep(1.0)
+                    await client.aclose()
+            assert time.monotonic() - started < (1.0 if order == "reader-later" else 0) + 3
 
 
 @pytest.mark.parametrize("path", ["native", "checked"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -25,31 +26,24 @@ import aiordma
 from aiordma import RdmaConfig
 from aiordma.testing import SimFabric, simulated_backend
 
+from ._pairs import served_pair
+
 pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
 async def mixed_pair(fabric: SimFabric, server_cfg: RdmaConfig, client_cfg: RdmaConfig,
                      max_message_size: int = 32 << 20) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
-    send, receive = anyio.create_memory_object_stream[Any](1)
-    async with await aiordma.create_channel_listener(
+    listener = await aiordma.create_channel_listener(
         "127.0.0.1", 0, transport="rdma", rdma_backend=simulated_backend(server_cfg, fabric=fabric),
         max_message_size=max_message_size,
-    ) as lst, send, receive:  # fmt: skip
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lst.serve, send.send)
-            client = await aiordma.connect_channel(
-                "127.0.0.1", lst.port, transport="rdma", rdma_backend=simulated_backend(client_cfg, fabric=fabric),
-                max_message_size=max_message_size,
-            )  # fmt: skip
-            server = await receive.receive()
-            tg.cancel_scope.cancel()
-    try:
-        yield client, server
-    finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()
-            await server.aclose()
+    )  # fmt: skip
+    connect = partial(
+        aiordma.connect_channel, "127.0.0.1", transport="rdma",
+        rdma_backend=simulated_backend(client_cfg, fabric=fabric), max_message_size=max_message_size,
+    )  # fmt: skip
+    async with served_pair(listener, connect) as pair:
+        yield pair
 
 
 async def exchange(fabric: SimFabric, server_cfg: RdmaConfig, client_cfg: RdmaConfig, sizes: list[int]) -> None:

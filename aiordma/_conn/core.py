@@ -232,12 +232,14 @@ class Core:
             for mid in done:
                 self.link.rndv_release(mid)  # type: ignore[attr-defined]
 
-    def send_memory_nowait(self, payload: bytes) -> None:
-        """Send a MEMORY frame now (from a callback: an answer, a REVOKED)."""
-        if self.closed or self.error is not None or self.peer_close is not None:
+    def send_memory_nowait(self, payload: bytes, *, after_peer_close: bool = False) -> None:
+        """Send a MEMORY frame now (from a callback: an answer, a REVOKED).  Once the peer closed
+        nobody acts on one -- except ``after_peer_close`` (a RNDV_DONE: the closing peer waits
+        for it before it tears down, as it waits for its CLOSE to be taken)."""
+        if self.closed or self.error is not None or (self.peer_close is not None and not after_peer_close):
             return  # the connection ends: nobody will act on it
         try:
-            self.link.send_nowait([self.proto.send_memory(payload)])
+            self.link.send_nowait([self.proto.send_memory(payload, after_peer_close=after_peer_close)])
         except Exception as exc:  # the link is gone: that is the connection's error
             self.on_error(exc)
 
@@ -473,8 +475,8 @@ class Core:
 
     async def aclose(self) -> None:
         """Close in order: everything sent before is delivered, then CLOSE, then the link is
-        released (``Link.aclose``: bounded by the time the peer takes nothing; the link's own
-        teardown is shielded).  Cancelled while delivering, it aborts: the peer then sees the
+        released (``Link.aclose``: a slow peer is waited for as long as it is alive; a connection
+        that breaks first raises ``BrokenResourceError``; the link's own teardown is shielded).  Cancelled while delivering, it aborts: the peer then sees the
         connection fail, never a stream that ends early in order.  Idempotent; a checkpoint."""
         if self.closed:
             await self.checkpoint()

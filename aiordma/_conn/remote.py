@@ -297,5 +297,5 @@ async def fetch_rendezvous(core: Core, rv: Any, view: memoryview | None = None) 
         if core.error is None and not core.closed:
             core.messages.appendleft(rv)
         raise
-    core.send_memory_nowait(core.memory.rendezvous_done(rv))
+    core.send_memory_nowait(core.memory.rendezvous_done(rv), after_peer_close=True)
     return data

@@ -712,10 +712,15 @@ class Connection:
         self.paused = False
         return self._parse()
 
-    def send_memory(self, payload: bytes) -> bytes:
-        """A MEMORY frame (one-sided memory; see :mod:`aiordma._proto.onesided`)."""
+    def send_memory(self, payload: bytes, *, after_peer_close: bool = False) -> bytes:
+        """A MEMORY frame (one-sided memory; see :mod:`aiordma._proto.onesided`).
+
+        ``after_peer_close``: also once the peer's CLOSE came (we have not sent ours) -- an
+        RNDV_DONE for a message the peer sent before its CLOSE: the closing peer keeps its region
+        staged, and its close waits, until it hears that the region was READ."""
         self._check_alive()
-        if self.state is not State.OPEN or self.close_sent:
+        late = after_peer_close and self.close_received is not None and self.state is State.CLOSED
+        if (self.state is not State.OPEN and not late) or self.close_sent:
             raise LocalProtocolError(f"cannot send a MEMORY frame in state {self.state.value}")
         if len(payload) > self._peer_max_frame + MEMORY_OVERHEAD:
             raise LocalProtocolError(f"MEMORY frame of {len(payload)} bytes exceeds the peer's limit")

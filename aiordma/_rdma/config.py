@@ -36,9 +36,9 @@ class RdmaConfig:
     qp_timeout: int = 14
     retry_cnt: int = 6
     rnr_retry: int = 6
-    #: how long closing waits *without progress* for the peer to take what was sent (the CLOSE's
-    #: completion, the peer's READs of staged rendezvous regions) before it aborts; also how long
-    #: the teardown waits for flushes, and a peer's goodbye for its in-band CLOSE
+    #: how long the teardown waits for flushes, a peer's goodbye for its in-band CLOSE, and our
+    #: goodbye for the TCP connection to take it.  Not a bound on closing: a close waits for a
+    #: slow reader as long as the peer is alive (docs/protocol.md, "Closing an RDMA connection")
     close_timeout: float = 2.0
     #: ask for a send completion at least every this many SENDs (the others
     #: are unsignaled; a completion retires every send posted before it)

@@ -117,6 +117,7 @@ class RdmaLink(RemoteOps, Link):
         self._control_watch: Watch | None = None  # the TCP connection, watched after the switch
         self._control_rx = b""  # bytes the TCP connection carried after the switch (a goodbye, or less)
         self._peer_goodbye = False
+        self._peer_ended = False  # the TCP connection ended after the peer's goodbye
         self._goodbye_timer: Watch | None = None
         self._probing = backend.config.liveness_probe > 0  # (RdmaConfig.liveness_probe)
         self._watched = False  # in the device's liveness plan (a task waits: see incoming())
@@ -128,6 +129,7 @@ class RdmaLink(RemoteOps, Link):
         self._abort = False
         self._goodbye: Watch | None = None  # the peer said goodbye on TCP: its CLOSE must follow in-band
         self._closed_done = False
+        self._close_failed: BaseException | None = None  # why closing could not deliver (aclose raises it)
         self._close_task: asyncio.Task[None] | None = None
         self._step = "device"
         self.qp_num = 0
@@ -526,6 +528,8 @@ class RdmaLink(RemoteOps, Link):
                 return
         elif self._peer_goodbye:
             self._close_control_watch()  # the end that follows the goodbye
+            self._peer_ended = True  # (its QP is going or gone: a CLOSE of ours still in flight finds nobody)
+            self._wake_all()
             return
         self._on_control_lost()
 
@@ -871,8 +875,11 @@ class RdmaLink(RemoteOps, Link):
         Everything queued before ``final`` (the CLOSE frame) goes out first; the link then waits
         until the CLOSE's completion came back (the peer's NIC placed it, and with it everything
         before it, in the peer's receive buffers) and the peer READ every rendezvous region it
-        still had to take.  The wait is bounded by ``close_timeout`` seconds *without progress*:
-        a slow reader is waited for as long as it reads.  Only when everything was delivered
+        still had to take.  A slow reader is waited for however long it pauses, as long as its
+        host is alive: the liveness probes (``RdmaConfig.liveness_probe``; without them the TCP
+        connection's keepalive) tell a dead host from a slow one, never a timer on progress.
+        When the connection breaks before the peer has everything, this raises
+        ``BrokenResourceError`` (after the teardown).  Only when everything was delivered
         does the TCP connection carry the closing side's goodbye (a CLOSE frame) before it ends,
         which tells the peer that the CLOSE is in its queue: the TCP end can then never overtake
         the data.  A delivery that cannot complete (the peer stopped reading, the connection
@@ -891,6 +898,14 @@ class RdmaLink(RemoteOps, Link):
         try:
             if self._may_deliver(final):
                 delivered = await self._deliver(final)
+                if not delivered and self._close_failed is not None:
+                    err = BrokenResourceError(
+                        f"the connection broke before the peer had everything: {self._close_failed}"
+                    )  # fmt: skip
+                    err.__cause__ = self._close_failed
+                    raise err
+            elif self._answers_a_close():
+                delivered = True  # nothing to deliver; the goodbye tells the closer we closed in order
         finally:
             self._delivering = False
             with anyio.CancelScope(shield=True):
@@ -929,6 +944,15 @@ class RdmaLink(RemoteOps, Link):
             return False  # the peer closed first and reads no more
         return bool(final) or session.backlog or bool(self._rndv_held)
 
+    def _answers_a_close(self) -> bool:
+        """The peer closed first and we close after it, with nothing to send (a CLOSE answers no
+        CLOSE): it may still wait for regions of its we will never READ, and learns from our
+        goodbye that we closed in order -- not that we died."""
+        session = self.session
+        if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
+            return False
+        return self._active and not self._tcp_lost and self.core.peer_close is not None
+
     async def _deliver(self, final: bytes) -> bool:
         """Post the backlog and ``final``, then wait until the peer has it all (see :meth:`aclose`);
         returns whether it has.  Cancellable: a cancelled delivery is an abort."""
@@ -946,29 +970,25 @@ class RdmaLink(RemoteOps, Link):
             self._track_sq()
         if session.error is not None:
             self._broke()
-        io = self.io
-        timeout = self.config.close_timeout
-        last: tuple[int, int] | None = None
-        since = io.clock()
-        while not (session.close_sent and not self._rndv_held):
-            if session.error is not None or self._tcp_lost or self.core.peer_close is not None:
-                return False
-            mark = (int(session.progress), self.rndv_staged)
-            now = io.clock()
-            if mark != last:
-                last, since = mark, now
-            elif now - since >= timeout:
+        while True:
+            # the peer closed (its CLOSE came, or its goodbye: it closed in order after ours): it reads
+            # no more, and the regions it has not READ are done with
+            peer_closed = self.core.peer_close is not None or self._peer_goodbye
+            if session.close_sent and (peer_closed or not self._rndv_held):
+                return True  # our CLOSE is in its queue: the goodbye may tell it so
+            if peer_closed and (session.error is not None or self._tcp_lost or self._peer_ended):
+                return False  # both closed; the peer tore down first: nothing was lost that it wanted
+            if session.error is not None or self._tcp_lost:
+                self._close_failed = session.error or self.core.error or ConnectionResetError("the TCP connection ended")
                 log.info(
-                    "aiordma: closing an RDMA connection: the peer took nothing for %.1f s; aborting "
-                    "(%d rendezvous bytes not READ, CLOSE %s)",
-                    timeout, self.rndv_staged, "delivered" if session.close_sent else "not delivered",
+                    "aiordma: closing an RDMA connection: it broke before the peer had everything (%d rendezvous "
+                    "bytes not READ, CLOSE %s): %s",
+                    self.rndv_staged, "delivered" if session.close_sent else "not delivered", self._close_failed,
                 )  # fmt: skip
                 return False
             if not self._watched and self._probing:
                 self._watch_liveness()  # a peer host that died is noticed within the retry budget
-            with anyio.move_on_after(timeout - (now - since)):
-                await self._wait()
-        return True
+            await self._wait()
 
     def _release_withheld(self) -> None:
         """This side is closed and reads no more: return every credit withheld for a reader, now and

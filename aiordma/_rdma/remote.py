@@ -357,7 +357,7 @@ class RemoteOps:
         finally:
             if device is not None and self.scope is not None:
                 self.scope.give_region(region)  # (its WR completed)
-        core.send_memory_nowait(core.memory.rendezvous_done(rv))
+        core.send_memory_nowait(core.memory.rendezvous_done(rv), after_peer_close=True)
         core.resume_after_rendezvous()
         # (this may run in a reader's consumed() or a waiter's incoming(), not in a wake: what
         # the resumed protocol parsed -- the peer's CLOSE, its RNDV_DONEs -- concerns the other

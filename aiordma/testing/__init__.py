@@ -4,13 +4,15 @@
   in-memory pipe (``"memory"``: the real protocol, no sockets), over TCP on
   127.0.0.1 (``"tcp"``) or over RDMA (``"rdma"``, needs a device).
   ``"sim"`` runs the real RDMA transport over the simulated RC wire (any host).
+  Both ends are closed on exit with :func:`aclose_together` (concurrently: a close waits
+  until its peer has everything, so one task must not close a sender before its reader).
 * :func:`simulated_backend` / :class:`SimFabric` -- the simulated RC wire: verbs
   objects with RC semantics (ordered completions, queue limits, RNR, flushes,
   a completion channel fd that really becomes readable) and fault knobs.
 * :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
 """
 
-from ._pairs import MemoryByteStream, channel_pair, memory_byte_stream_pair, rdma_address, stream_pair
+from ._pairs import MemoryByteStream, aclose_together, channel_pair, memory_byte_stream_pair, rdma_address, stream_pair
 from ._sim import SimFabric, SimProvider, simulated_backend
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "stream_pair",
     "channel_pair",
     "rdma_address",
+    "aclose_together",
     "SimFabric",
     "SimProvider",
     "simulated_backend",

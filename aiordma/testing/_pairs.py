@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, TypeVar
 
 import anyio
-from anyio.abc import ByteStream
+from anyio.abc import AsyncResource, ByteStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._api import Channel, Stream, connect, connect_channel, create_channel_listener, create_listener
@@ -24,7 +24,14 @@ from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from .._rdma.config import RdmaBackend
 from ._sim import simulated_backend
 
-__all__ = ["MemoryByteStream", "memory_byte_stream_pair", "stream_pair", "channel_pair", "rdma_address"]
+__all__ = [
+    "MemoryByteStream",
+    "memory_byte_stream_pair",
+    "stream_pair",
+    "channel_pair",
+    "rdma_address",
+    "aclose_together",
+]
 
 PairKind = Literal["memory", "tcp", "rdma", "sim"]
 E = TypeVar("E", Stream, Channel)
@@ -140,9 +147,30 @@ async def _tcp_pair(
     try:
         yield client, server
     finally:
-        with anyio.CancelScope(shield=True):
-            await client.aclose()
-            await server.aclose()
+        await aclose_together(client, server)
+
+
+async def aclose_together(*endpoints: AsyncResource) -> None:
+    """Close every endpoint at once, each in its own task, as independent peers do; shielded.
+
+    Both ends of a pair held by one task must not be closed one after the other: a close waits
+    until the peer has everything it was sent (a socket's linger), so closing the sender first
+    while its reader, closed next, has not read waits as long as that reader stays alive --
+    for ever, here.  Raises the first error a close raised (after every close finished)."""
+    errors: list[BaseException] = []
+
+    async def close(endpoint: AsyncResource) -> None:
+        try:
+            await endpoint.aclose()
+        except Exception as exc:  # noqa: BLE001 -- reported after the others closed
+            errors.append(exc)
+
+    with anyio.CancelScope(shield=True):
+        async with anyio.create_task_group() as tg:
+            for endpoint in endpoints:
+                tg.start_soon(close, endpoint)
+    if errors:
+        raise errors[0]
 
 
 @asynccontextmanager
@@ -158,9 +186,7 @@ async def _pair(
     try:
         yield a, b
     finally:
-        with anyio.CancelScope(shield=True):
-            await a.aclose()
-            await b.aclose()
+        await aclose_together(a, b)
 
 
 @asynccontextmanager
