@@ -1,12 +1,13 @@
 """A reader that pauses, in a process of its own (issue 31: slow is not dead).
 
-``python -m tests._slow_peer_proc LOOP API ROLE PORT TLSDIR PAUSE SIZE``
+``python -m tests._slow_peer_proc LOOP API ROLE PORT TLSDIR PAUSE SIZE [GREET HOLD]``
     ROLE ``serve``: listens on 127.0.0.1 (any port), prints ``PORT n`` and takes one connection;
     ROLE ``connect``: connects to PORT.  Either way it reads nothing for PAUSE seconds, then
     reads until SIZE bytes came (or the end), closes, and prints one JSON line: ``received``,
     ``sha256`` of the bytes in order, ``error`` (empty when none), ``paused`` (seconds),
     ``closing`` (how long its close took, seconds) and ``close_error``.  A SIZE of 0 reads to the
-    end.
+    end.  GREET (default 0): bytes it sends first, before the pause (its peer need not read
+    them); HOLD (default 0): seconds it keeps the connection open after reading, before it closes.
 
 API is ``channel`` (messages, concatenated), ``stream`` (anyio byte stream), ``asyncio``
 (``aiordma.asyncio`` reader/writer: the reader is simply not read) or ``protocol`` (an
@@ -108,7 +109,20 @@ async def close(api: str, conn: Any, result: dict[str, Any]) -> None:
     result["closing"] = time.monotonic() - started
 
 
-async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: int) -> None:
+async def greet(api: str, conn: Any, size: int) -> None:
+    if not size:
+        return
+    data = b"g" * size
+    if api == "asyncio":
+        conn[1].write(data)
+        await conn[1].drain()
+    elif api == "protocol":
+        conn[0].write(data)
+    else:
+        await conn.send(data)
+
+
+async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: int, hello: int, hold: float) -> None:
     if role == "connect":
         ctx = client_context(tlsdir)
         if api == "channel":
@@ -123,7 +137,9 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
             import aiordma.asyncio as aio
 
             conn = await aio.create_connection(Reader, "127.0.0.1", port, ssl=ctx, transport="tcp")
+        await greet(api, conn, hello)
         result = await read_all(api, conn, pause, size)
+        await anyio.sleep(hold)
         await close(api, conn, result)
         print(json.dumps(result), flush=True)
         return
@@ -132,7 +148,9 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
     done = anyio.Event()
 
     async def handle(conn: Any) -> None:
+        await greet(api, conn, hello)
         result = await read_all(api, conn, pause, size)
+        await anyio.sleep(hold)
         await close(api, conn, result)
         print(json.dumps(result), flush=True)
         done.set()
@@ -165,4 +183,5 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
 
 if __name__ == "__main__":
     loop, api, role, port, tlsdir, pause, size = sys.argv[1:8]
-    run(loop, main, api, role, int(port), tlsdir, float(pause), int(size))
+    hello, hold = (int(sys.argv[8]), float(sys.argv[9])) if len(sys.argv) > 9 else (0, 0.0)
+    run(loop, main, api, role, int(port), tlsdir, float(pause), int(size), hello, hold)

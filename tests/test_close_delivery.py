@@ -25,6 +25,7 @@ from anyio.abc import SocketAttribute
 
 from aiordma._tcp.links import unacknowledged
 
+from ._listener_proc import client_context
 from .test_slow_reader import Peer, loop_name, open_sender
 
 pytestmark = pytest.mark.anyio
@@ -73,26 +74,29 @@ async def write_then_close(api: str, conn: Any) -> tuple[list[bytes], int, float
 
 def close_cases() -> list[Any]:
     out = []
-    for api in ("asyncio", "channel", "stream"):
-        # (the issue's idiom in the quick suite; the rest is slow: a pause each)
-        marks = () if api == "asyncio" else (pytest.mark.slow,)
-        out.append(pytest.param(api, id=api, marks=marks))
+    for tls in (False, True):
+        for api in ("asyncio", "channel", "stream"):
+            # (the issue's idiom, and TLS streams, in the quick suite; the rest is slow: a pause each)
+            marks = () if api == "asyncio" or (tls and api == "stream") else (pytest.mark.slow,)
+            out.append(pytest.param(api, tls, id=f"{api}-{'tls' if tls else 'tcp'}", marks=marks))
     return out
 
 
-@pytest.mark.parametrize("api", close_cases())
-async def test_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any, api: str) -> None:
+@pytest.mark.parametrize(("api", "tls"), close_cases())
+async def test_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any, api: str, tls: bool, tlsdir: str) -> None:
     """The reader (listening, in its own process) pauses ``PAUSE`` s before it reads; the closer
     sends until the reader's side takes no more (``PENDING`` bytes wait on this side), then
     closes at once.  The close returns after the reader read it all, with no error; the reader
-    got every byte in order and a clean end."""
+    got every byte in order and a clean end.  (TLS on trio closed after 5 s without the peer's
+    close_notify, resetting what the reader had not taken.)"""
     loop = loop_name(anyio_backend)
     if api == "asyncio" and loop == "trio":
         pytest.skip("aiordma.asyncio runs on asyncio loops")
-    peer = Peer(loop, api, "serve", 0, "-", PAUSE, 0)
+    tdir = tlsdir if tls else "-"
+    peer = Peer(loop, api, "serve", 0, tdir, PAUSE, 0)
     try:
         port = int((await peer.line(30)).split()[1])
-        conn = await open_sender(api, port, None, keepalive=1.0)
+        conn = await open_sender(api, port, client_context(tdir), keepalive=1.0)
         connected = time.monotonic()
         with anyio.fail_after(PAUSE + 60):
             data, waiting, closed = await write_then_close(api, conn)
@@ -147,3 +151,61 @@ async def test_a_producer_learns_of_the_peers_close_at_its_next_send(anyio_backe
     assert sends_after <= 1, (sends_after, error)  # (asyncio reads all along: it may learn earlier)
     # told the producer (its kernel has our CLOSE), the closer stopped lingering
     assert result["closing"] < 2.0, result
+
+
+def unread_cases() -> list[Any]:
+    out = []
+    for peer in ("same", "other"):
+        for tls in (False, True):
+            for api in ("asyncio", "channel", "stream"):
+                quick = tls and (api == "stream" or (api == "asyncio" and peer == "other"))
+                out.append(pytest.param(api, tls, peer, id=f"{api}-{'tls' if tls else 'tcp'}-{peer}-loop",
+                                        marks=() if quick else (pytest.mark.slow,)))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("api", "tls", "peer_loop"), unread_cases())
+async def test_a_closer_with_unread_bytes_delivers_all_and_does_not_wait_for_the_peers_close(
+    anyio_backend: Any, api: str, tls: bool, peer_loop: str, tlsdir: str
+) -> None:
+    """The peer (its own process, on this loop or another: trio against asyncio) sends 256 KiB
+    that this side never reads, pauses 1 s, reads the 2 MiB this side sends, then keeps the
+    connection open 6 s before it closes.  This side sends and closes at once.  Its close
+    returns once the peer has everything -- not at once with a reset that purges what the peer
+    had not read (before, on trio over TLS: 112 KiB of 2 MiB arrived), and not when the peer
+    closes or after a fixed 5 s (trio over TLS waited for the peer's close_notify, which a peer
+    that closes later sends late or never) -- and the peer got every byte."""
+    loop = loop_name(anyio_backend)
+    if api == "asyncio" and loop == "trio":
+        pytest.skip("aiordma.asyncio runs on asyncio loops")
+    tdir = tlsdir if tls else "-"
+    size, hold = 2 << 20, 6.0
+    data = [i.to_bytes(4, "big") * (CHUNK // 4) for i in range(size // CHUNK)]
+    their_loop, their_api = loop, api
+    if peer_loop == "other":
+        their_loop = "asyncio" if loop == "trio" else "trio"
+        their_api = "stream" if api == "asyncio" else api  # (aiordma.asyncio's reader/writer is a stream)
+    peer = Peer(their_loop, their_api, "serve", 0, tdir, 1.0, size, greet=256 << 10, hold=hold)
+    try:
+        port = int((await peer.line(30)).split()[1])
+        conn = await open_sender(api, port, client_context(tdir), keepalive=1.0)
+        await anyio.sleep(0.5)  # (the greeting is in: unread bytes wait at this side)
+        with anyio.fail_after(30):
+            started = time.monotonic()
+            if api == "asyncio":
+                for chunk in data:
+                    conn[1].write(chunk)
+                conn[1].close()
+                await conn[1].wait_closed()
+            else:
+                for chunk in data:
+                    await conn.send(chunk)
+                await conn.aclose()
+            closing = time.monotonic() - started
+        result = json.loads(await peer.line(hold + 30))
+    finally:
+        peer.close()
+    assert result["error"] == "", result
+    assert result["received"] == size, result
+    assert result["sha256"] == hashlib.sha256(b"".join(data)).hexdigest(), result
+    assert closing < hold - 3, f"the close took {closing:.1f} s: it waited for the peer's own close"

@@ -46,10 +46,12 @@ def chunks(size: int) -> list[bytes]:
 class Peer:
     """The reader's process; its JSON result once it is done."""
 
-    def __init__(self, loop: str, api: str, role: str, port: int, tlsdir: str, pause: float, size: int) -> None:
+    def __init__(self, loop: str, api: str, role: str, port: int, tlsdir: str, pause: float, size: int,
+                 greet: int = 0, hold: float = 0.0) -> None:  # fmt: skip
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._slow_peer_proc", loop, api, role, str(port), tlsdir, str(pause), str(size)],
+            [sys.executable, "-m", "tests._slow_peer_proc", loop, api, role, str(port), tlsdir, str(pause), str(size),
+             str(greet), str(hold)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
         )  # fmt: skip
 

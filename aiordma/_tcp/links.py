@@ -251,6 +251,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._eof_sent = False  # our half is closed (write_eof)
         self._linger: _Linger | None = None  # closing in order: our CLOSE is out, waiting for the peer's end
         self._close_error: BrokenResourceError | None = None  # the peer may not have everything (wait_closed)
+        self._abort_after_linger = False  # (TLS: see close_nowait)
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._window_timer: asyncio.TimerHandle | None = None
@@ -552,17 +553,25 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         if writer is not None and not writer.is_closing():
             if final:
                 writer.write(final)
-            if final and self._on_control is None and not self._eof_sent and writer.can_write_eof():
-                self._eof_sent = True
+            tls = writer.get_extra_info("ssl_object") is not None and writer.get_extra_info("socket") is not None
+            if final and self._on_control is None and not self._eof_sent and (tls or writer.can_write_eof()):
                 self._linger = _Linger()
                 self.written()  # (the watch judges the peer while it has bytes of ours to take)
                 if self._paused_reading:
                     self._resume_reading()
-                try:
-                    writer.write_eof()
-                except OSError:  # (the peer reset the connection already: nothing to linger for)
-                    self._linger = None
-                    writer.close()
+                if tls:
+                    # no half-close in TLS: the linger ends on the ACKs (or the peer's end), then
+                    # the transport is aborted -- TLS's own shutdown would wait for the peer's
+                    # close_notify, which a peer that closes later sends late or never (our CLOSE,
+                    # inside the encrypted stream, is the authenticated end)
+                    self._abort_after_linger = True
+                else:
+                    self._eof_sent = True
+                    try:
+                        writer.write_eof()
+                    except OSError:  # (the peer reset the connection already: nothing to linger for)
+                        self._linger = None
+                        writer.close()
             else:
                 writer.close()
         elif writer is None and self.transport is not None:
@@ -598,7 +607,10 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                     outstanding = writer.get_write_buffer_size() + unacknowledged(writer.get_extra_info("socket"))
                     if linger.look(outstanding):
                         self._linger = None
-                        writer.close()  # (all acknowledged: a FIN, or a reset that drops nothing of ours)
+                        if self._abort_after_linger:
+                            writer.abort()  # (TLS: see close_nowait; a reset now drops nothing of ours)
+                        else:
+                            writer.close()  # (all acknowledged: a FIN, or a reset that drops nothing of ours)
         except asyncio.CancelledError:
             self.abort()
             raise
@@ -657,12 +669,16 @@ class SocketWriter(ByteStream):
 
 
 async def wrap_tls(stream: SocketStream, *, server_side: bool, ssl_context: Any, hostname: str | None = None) -> ByteStream:
-    """TLS over ``stream``, on a :class:`SocketWriter` (see there), as anyio makes it (a client's
-    close says close_notify; a server's does not wait for the peer's)."""
+    """TLS over ``stream``, on a :class:`SocketWriter` (see there), as anyio makes it -- without
+    close_notify on either side (``standard_compatible=False``): the protocol's CLOSE frame,
+    inside the encrypted stream, is the authenticated end (a stream that ends without one is
+    broken, so a truncation is never taken for an end), and the close lingers on the socket's
+    ACKs as plain TCP does (:meth:`StreamLink._linger`) instead of waiting for the peer's
+    close_notify, which a peer that closes later sends late or never."""
     from anyio.streams.tls import TLSStream
 
     return await TLSStream.wrap(SocketWriter(stream), server_side=server_side, hostname=hostname,
-                                ssl_context=ssl_context, standard_compatible=not server_side)  # fmt: skip
+                                ssl_context=ssl_context, standard_compatible=False)  # fmt: skip
 
 
 class StreamLink(Link):
@@ -965,9 +981,11 @@ class StreamLink(Link):
         try:
             async with self._send_lock:
                 await self.stream.send_eof()
-        except (BrokenResourceError, ClosedResourceError, OSError, NotImplementedError):
-            return  # (a stream without half-close: TLS, for one): close as it is
-        self._eof_sent = True
+            self._eof_sent = True
+        except NotImplementedError:
+            pass  # (TLS has no half-close: the linger ends on the ACKs, or the peer's end)
+        except (BrokenResourceError, ClosedResourceError, OSError):
+            return
         attrs: Mapping[Any, Callable[[], Any]] = self.stream.extra_attributes
         get_sock = attrs.get(SocketAttribute.raw_socket)
         if get_sock is None:
