@@ -12,17 +12,17 @@ aiordma stream has no ``wait_send_all_might_not_block`` that waits for room.
 
 from __future__ import annotations
 
+import operator
 import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
-from functools import partial
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import pytest
 
 import aiordma
+from aiordma import RdmaConfig
 from aiordma.testing import SimFabric, rdma_address, simulated_backend
 
 trio = pytest.importorskip("trio")
@@ -31,13 +31,29 @@ import trio.testing  # noqa: E402
 pytestmark = pytest.mark.anyio
 
 
+class _OneAtATime:
+    """trio's rule for a stream: one task sending (or receiving) at a time, else BusyResourceError."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.busy = False
+
+    def __enter__(self) -> None:
+        if self.busy:
+            raise trio.BusyResourceError(f"another task is {self.what} on this stream")
+        self.busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.busy = False
+
+
 class TrioStream(trio.abc.HalfCloseableStream):  # type: ignore[misc]
     """An aiordma byte stream as a ``trio.abc.HalfCloseableStream``: names and exceptions only."""
 
     def __init__(self, stream: aiordma.Stream) -> None:
         self._stream = stream
-        self._send = trio._util.ConflictDetector("another task is sending on this stream")
-        self._receive = trio._util.ConflictDetector("another task is receiving on this stream")
+        self._send = _OneAtATime("sending")
+        self._receive = _OneAtATime("receiving")
         self._closed = False
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -64,7 +80,7 @@ class TrioStream(trio.abc.HalfCloseableStream):  # type: ignore[misc]
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if max_bytes is not None:
-            max_bytes = int(operator_index(max_bytes))
+            max_bytes = operator.index(max_bytes)  # (a float is a TypeError, as trio wants)
             if max_bytes < 1:
                 raise ValueError("max_bytes must be >= 1")
         with self._receive:
@@ -79,20 +95,16 @@ class TrioStream(trio.abc.HalfCloseableStream):  # type: ignore[misc]
         await self._call(self._stream.aclose)
 
 
-def operator_index(value: Any) -> int:
-    import operator
-
-    return operator.index(value)  # (a float is a TypeError, as trio wants)
-
-
 KINDS = [
     pytest.param("tcp", id="tcp"),
     pytest.param("tls", id="tls"),
     pytest.param("sim", id="sim"),
+    pytest.param("sim-checked", id="sim-checked"),  # the checked (Python) data path
     pytest.param("rxe", id="rxe", marks=pytest.mark.rdma),
 ]
 
 
+@pytest.mark.guest_loops("trio")
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 @pytest.mark.parametrize("kind", KINDS)
 async def test_trios_stream_suite_passes_on_aiordma_streams(anyio_backend: Any, kind: str, tlsdir: str) -> None:
@@ -105,10 +117,11 @@ async def test_trios_stream_suite_passes_on_aiordma_streams(anyio_backend: Any, 
         client_options = {"ssl": ssl.create_default_context(cafile=os.path.join(tlsdir, "ca.pem")), "transport": "tcp"}
     elif kind == "tcp":
         options = client_options = {"transport": "tcp"}
-    elif kind == "sim":
+    elif kind.startswith("sim"):
         fabric = SimFabric()
         fabric.add_device("sim0", "127.0.0.1")
-        options = client_options = {"transport": "rdma", "rdma_backend": simulated_backend(fabric=fabric)}
+        config = RdmaConfig(hot_path="checked") if kind == "sim-checked" else None
+        options = client_options = {"transport": "rdma", "rdma_backend": simulated_backend(config, fabric=fabric)}
     else:
         address = rdma_address()
         assert address is not None, "no RDMA device with an IPv4 RoCEv2 address"

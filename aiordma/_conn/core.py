@@ -341,6 +341,13 @@ class Core:
         if self.error is not None:
             raise self.broken()
 
+    async def receive_ended(self) -> None:
+        """Raise what :meth:`check_receive` raises, after a checkpoint: a receive that ends (EOF,
+        closed, broken) is a checkpoint too, as anyio's and trio's are -- a loop that reads to
+        the end must let others run."""
+        await self.checkpoint()
+        self.check_receive()
+
     def check_send(self) -> None:
         if self.closed:
             raise ClosedResourceError
@@ -358,7 +365,8 @@ class Core:
         if rbuf:
             await self.checkpoint()  # trio's convention: every call is a checkpoint
         while not rbuf:
-            self.check_receive()
+            if self.closed or self.peer_eof or self.error is not None:
+                await self.receive_ended()
             await self.link.incoming()
         if len(rbuf) <= max_bytes:
             data = bytes(rbuf)
@@ -377,7 +385,7 @@ class Core:
             await self.checkpoint()
         while not messages:
             if self.closed or self.peer_eof or self.error is not None:
-                self.check_receive()
+                await self.receive_ended()
             await self.link.incoming()
         data = messages.popleft()
         if data.__class__ is not bytes:  # a rendezvous: READ it now
@@ -394,7 +402,8 @@ class Core:
         if rbuf:
             await self.checkpoint()
         while not rbuf:
-            self.check_receive()
+            if self.closed or self.peer_eof or self.error is not None:
+                await self.receive_ended()
             await self.link.incoming()
         n = min(len(rbuf), view.nbytes)
         with memoryview(rbuf) as mv:
@@ -412,7 +421,7 @@ class Core:
             await self.checkpoint()
         while not messages:
             if self.closed or self.peer_eof or self.error is not None:
-                self.check_receive()
+                await self.receive_ended()
             await self.link.incoming()
         data = messages[0]
         if data.__class__ is not bytes:  # a rendezvous: READ it into the caller's buffer
@@ -449,6 +458,7 @@ class Core:
     async def send_eof(self) -> None:
         if self.closed:
             raise ClosedResourceError
+        await self.checkpoint()  # a cancel point and a schedule point, as send_data (again: all the same)
         if self.proto.send_half is Half.EOF:
             return
         self.check_send()
