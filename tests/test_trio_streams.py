@@ -105,7 +105,7 @@ KINDS = [
 
 
 @pytest.mark.guest_loops("trio")
-@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("trio", {}), id="trio")])
 @pytest.mark.parametrize("kind", KINDS)
 async def test_trios_stream_suite_passes_on_aiordma_streams(anyio_backend: Any, kind: str, tlsdir: str) -> None:
     fabric: SimFabric | None = None
