@@ -9,10 +9,12 @@ Skipped without ``AIORDMA_PEER_ADDRESS`` (set only in that bed).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +190,49 @@ async def test_closing_right_after_sending_delivers_everything_to_the_peer() -> 
     ends = json.loads(await control(b"STATUS " + tag.encode()))
     digest = hashlib.sha256(payload + b"tail").hexdigest()
     assert ends == [{"error": None, "detail": f"2 {digest}", "idle": ends[0]["idle"]}], ends
+
+
+#: how long a reader pauses in the slow-reader tests: a minute on the bed (issue 31), past the
+#: TCP keepalive (5 s) in the host's check of this suite
+PAUSE = 60.0 if ON_THE_BED else 6.0
+
+
+@needs_peer
+@pytest.mark.anyio
+async def test_a_reader_across_hosts_that_pauses_for_a_minute_loses_nothing() -> None:
+    """Slow is not dead (issue 31), host a reading: it pauses ``PAUSE`` s before it reads while
+    this side sends 34 MiB (1 MiB messages, then two rendezvous of 9 MiB) and closes.  The sends
+    wait for credits and staging room, the liveness probes find host a alive (its NIC answers),
+    the close waits for the reader, and host a gets every byte, then a clean EOF."""
+    tag = "paused-%d" % os.getpid()
+    msgs = [os.urandom(1 << 20) for _ in range(16)] + [os.urandom(9 << 20), os.urandom(9 << 20)]
+    started = time.monotonic()
+    with anyio.fail_after(PAUSE + 240):
+        async with await channel() as ch:
+            await ch.send(b"LATE %s %f" % (tag.encode(), PAUSE))
+            for msg in msgs:
+                await ch.send(msg)
+    closed = time.monotonic() - started
+    ends = json.loads(await control(b"STATUS " + tag.encode()))
+    digest = hashlib.sha256(b"".join(msgs)).hexdigest()
+    assert ends == [{"error": None, "detail": f"{len(msgs)} {digest}", "idle": ends[0]["idle"]}], ends
+    assert closed >= PAUSE - 1, f"the close returned after {closed:.1f} s, before the reader read"
+
+
+@needs_peer
+@pytest.mark.anyio
+async def test_this_reader_pausing_for_a_minute_across_hosts_loses_nothing() -> None:
+    """The mirror: host a sends 1 MiB messages without end while this side reads nothing for
+    ``PAUSE`` s; host a's sender waits for credits all that time and does not take this host for
+    dead; then this side reads on, every message whole."""
+    with anyio.fail_after(PAUSE + 240):
+        async with await channel() as ch:
+            await ch.send(b"SOURCE %d" % (1 << 20))
+            await anyio.sleep(PAUSE)
+            first = await ch.receive()
+            assert len(first) == 1 << 20
+            for _ in range(48):
+                assert await ch.receive() == first
 
 
 @needs_peer
@@ -705,7 +750,7 @@ def test_twohost_suite_runs_on_the_host() -> None:
                               str(Path(__file__).with_name("test_conformance.py")), str(Path(__file__)), "-k",
                               "not (trio or uvloop)"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
-        assert re.search(r"\b29 passed", out.stdout), out.stdout  # 9 here, 20 of the conformance suite
+        assert re.search(r"\b31 passed", out.stdout), out.stdout  # 11 here, 20 of the conformance suite
         assert peer.wait(30) == 0  # the last test told it to quit
     finally:
         if peer.poll() is None:

@@ -18,9 +18,9 @@ host's check of the suite itself):
     then ``END``), for a test that only receives;
   * ``SENDCLOSE <n> <seed> <eof>`` -> sends ``n`` bytes (``seed``'s pattern) and ``tail``, then
     (with ``eof`` 1: after ``send_eof``) closes the connection at once (the close test);
-  * ``LATE <name>`` -> names this connection, waits 0.3 s, then receives until EOF and records
-    ``<count> <SHA-256>`` of what came as its ``detail`` (the close test's mirror: the client
-    closes right after sending);
+  * ``LATE <name> [<seconds>]`` -> names this connection, waits 0.3 s (or ``seconds``: a reader
+    that pauses), then receives until EOF and records ``<count> <SHA-256>`` of what came as its
+    ``detail`` (the close test's mirror: the client closes right after sending);
   * ``TAG <name>`` -> names this connection in the service's record of how connections ended;
     ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
     ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
@@ -146,8 +146,9 @@ async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes
             await ch.send_eof()
         raise _CloseNow  # at once: what was sent is still on its way
     elif verb == b"LATE":
-        rec.tag = rest.decode()
-        await anyio.sleep(0.3)  # the reader starts late; the client closes right after sending
+        name, _, pause = rest.decode().partition(" ")
+        rec.tag = name
+        await anyio.sleep(min(float(pause or 0.3), 300))  # the reader starts late; the client closes right after sending
         digest, count = hashlib.sha256(), 0
         try:
             while True:
