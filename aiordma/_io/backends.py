@@ -37,11 +37,11 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import sniffio
 
-__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "current_checkpoint", "Watch"]
+__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "current_checkpoint", "Watch", "Parking"]
 
 log = logging.getLogger("aiordma")
 
@@ -67,6 +67,26 @@ def _guarded(callback: Callable[[], bool | None]) -> Callable[[], bool]:
             return False
 
     return run
+
+
+class Parking(Protocol):
+    """A place where tasks wait for the same thing, woken together (see the module docs)."""
+
+    #: how many times ``unpark_all`` ran: a task that did synchronous work before it parks
+    #: compares it to see whether a wake came meanwhile (it would sleep through it otherwise)
+    wakes: int
+
+    def __len__(self) -> int:
+        """How many tasks wait here now."""
+        ...
+
+    def park(self) -> Awaitable[None]:
+        """Wait until the next ``unpark_all`` (cancellable)."""
+        ...
+
+    def unpark_all(self) -> None:
+        """Wake every task parked here."""
+        ...
 
 
 class AsyncioParking:
@@ -134,7 +154,7 @@ class IOBackend:
     def notify_closing(self, fd: int) -> None:
         """``fd`` is about to be closed (its watch was closed already)."""
 
-    def parking(self) -> Any:
+    def parking(self) -> Parking:
         """A new place to wait (see the module docs): ``park()`` and ``unpark_all()``."""
         raise NotImplementedError
 
@@ -250,7 +270,7 @@ class TrioIO(IOBackend):
     def notify_closing(self, fd: int) -> None:
         self._trio.lowlevel.notify_closing(fd)
 
-    def parking(self) -> Any:
+    def parking(self) -> Parking:
         return TrioParking(self._trio.lowlevel.ParkingLot())
 
     def checkpoint(self) -> Awaitable[None]:

@@ -611,7 +611,7 @@ class RdmaLink(RemoteOps, Link):
         self._parking.unpark_all()
 
     def _wait(self) -> Awaitable[Any]:
-        return self._parking.park()  # type: ignore[no-any-return]
+        return self._parking.park()
 
     # -- Link -------------------------------------------------------------------------------
 
@@ -649,7 +649,7 @@ class RdmaLink(RemoteOps, Link):
             # what ran above (a poll, a finished READ that resumed the protocol) woke the
             # waiters -- this task among them, before it parked: it looks again instead
             return self.io.checkpoint()
-        return parking.park()  # type: ignore[no-any-return]
+        return parking.park()
 
     def consumed(self) -> None:
         session = self.session
