@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -222,11 +223,15 @@ async def serve(api: str, tlsdir: str) -> None:
         finally:
             state["connections"] -= 1
 
-    async def control(port: int, stop: Any) -> None:
+    async def control(port: int, stop: Any, serving: Callable[[], bool] | None = None) -> None:
+        """Answers ``stats`` (``serving``: asked then, where the listener's own state tells it)
+        and ``quit`` from stdin."""
         print(f"PORT {port}", flush=True)
         while True:
             cmd = await readline()
             if cmd == "stats":
+                if serving is not None:
+                    state["serving"] = serving()
                 print(json.dumps({"fds": open_fds(), "tasks": live_tasks(), **state}), flush=True)
             elif cmd == "quit":
                 await stop()
@@ -353,14 +358,14 @@ async def serve_dask(state: dict[str, Any], control: Any) -> None:
             await task
         done.set()
 
+    def serving() -> bool:
+        # (the listener's serve task runs -- what a client's bytes must never end)
+        task = listener._serve_task  # noqa: SLF001 - the harness looks, nothing else reads it
+        return task is not None and not task.done()
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(control, listener.get_host_port()[1], stop)
-        while not done.is_set():
-            # (serving: the listener's serve task runs -- what a client's bytes must never end)
-            serving = listener._serve_task  # noqa: SLF001 - the harness looks, nothing else reads it
-            state["serving"] = serving is not None and not serving.done()
-            with anyio.move_on_after(0.05):
-                await done.wait()
+        tg.start_soon(control, listener.get_host_port()[1], stop, serving)
+        await done.wait()
 
 
 async def serve_grpc(state: dict[str, Any], control: Any) -> None:
@@ -394,11 +399,8 @@ async def serve_grpc(state: dict[str, Any], control: Any) -> None:
         done.set()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(control, listening.sockets[0].getsockname()[1], stop)
-        while not done.is_set():
-            state["serving"] = listening.is_serving()
-            with anyio.move_on_after(0.05):
-                await done.wait()
+        tg.start_soon(control, listening.sockets[0].getsockname()[1], stop, listening.is_serving)
+        await done.wait()
 
 
 async def canary(api: str, port: int, tlsdir: str) -> None:

@@ -9,6 +9,8 @@
 * :func:`simulated_backend` / :class:`SimFabric` -- the simulated RC wire: verbs
   objects with RC semantics (ordered completions, queue limits, RNR, flushes,
   a completion channel fd that really becomes readable) and fault knobs.
+* :mod:`aiordma.testing.plugin` -- a pytest plugin (``-p aiordma.testing.plugin``): pair
+  fixtures of every kind this host can make, checked for leaks after each test.
 * :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
 """
 

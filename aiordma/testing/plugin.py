@@ -1,0 +1,138 @@
+"""aiordma's pytest plugin: connected pairs for property tests of your own network code.
+
+Load it with ``pytest -p aiordma.testing.plugin``, or in your top-level ``conftest.py``::
+
+    pytest_plugins = ["aiordma.testing.plugin"]
+
+It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and parametrize
+``anyio_backend`` as anyio's documentation says, for asyncio and trio both).  Fixtures:
+
+``aiordma_kind``
+    Parametrized over the kinds of pair this host can make: ``"memory"`` (the real protocol
+    over an in-memory pipe, no sockets: deterministic and fast), ``"tcp"`` (a real listener on
+    127.0.0.1), ``"sim"`` (the RDMA transport over the simulated RC wire, any host) and
+    ``"rdma"`` (a real device; skipped, with the reason, where none is usable).  Narrow it by
+    overriding the fixture in your conftest: ``@pytest.fixture(params=["memory", "sim"])``
+    returning ``request.param``.
+
+``aiordma_stream_pair`` / ``aiordma_channel_pair``
+    ``(client, server)``: a connected :class:`aiordma.Stream` (byte stream) or
+    :class:`aiordma.Channel` (messages) pair of that kind, under the test's anyio backend.
+    After the test both ends are closed together (:func:`aiordma.testing.aclose_together`: a
+    close waits for its reader), then checked: the test's file descriptors and tasks are back
+    to what they were, and on ``"sim"`` every verbs object of the wire (QPs, CQs, MRs) was
+    released -- a test that leaks one fails in its teardown, naming what is left.
+
+Every fixture is a plain pytest fixture: nothing here changes how pytest collects or runs
+tests.  Importing this module imports nothing of aiordma until a fixture is used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .._api import Channel, Stream
+
+__all__ = ["aiordma_kind", "aiordma_stream_pair", "aiordma_channel_pair", "KINDS"]
+
+#: the kinds of pair, in the order the fixtures run them
+KINDS = ("memory", "tcp", "sim", "rdma")
+#: how long closed resources may take to go (uvloop closes a socket one iteration after
+#: ``connection_lost``; a peer's teardown runs in its own task)
+SETTLE = 2.0
+
+
+def _open_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/null":
+                continue  # (libuv keeps one open per loop from its first listening socket on)
+        except OSError:
+            continue  # (closed meanwhile, or the listing's own descriptor)
+        fds.add(int(name))
+    return fds
+
+
+def _describe(fds: set[int]) -> str:
+    out = []
+    for fd in sorted(fds):
+        try:
+            out.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            out.append(f"{fd} (gone)")
+    return ", ".join(out)
+
+
+@pytest.fixture(params=KINDS)
+def aiordma_kind(request: pytest.FixtureRequest) -> str:
+    """The kind of pair (see the module docs); ``"rdma"`` is skipped where no device is usable."""
+    kind: str = request.param
+    if kind == "rdma":
+        from ._pairs import rdma_address
+
+        if rdma_address() is None:
+            pytest.skip("aiordma: no RDMA device with an active IPv4 RoCEv2 port on this host")
+    return kind
+
+
+@asynccontextmanager
+async def _checked_pair(kind: str, messages: bool) -> AsyncIterator[tuple[Any, Any]]:
+    import anyio
+
+    from ._pairs import channel_pair, stream_pair
+    from ._sim import SimFabric, simulated_backend
+
+    fds = _open_fds()
+    tasks = len(anyio.get_running_tasks())
+    fabric: SimFabric | None = None
+    backend = None
+    if kind == "sim":
+        fabric = SimFabric()
+        fabric.add_device("sim0", "127.0.0.1")
+        backend = simulated_backend(fabric=fabric)
+    make = channel_pair if messages else stream_pair
+    async with make(kind, rdma_backend=backend) as pair:  # type: ignore[arg-type]
+        try:
+            yield pair
+        finally:
+            if fabric is not None:
+                fabric.release()  # (what the test held comes now: the close must not wait on it)
+    deadline = anyio.current_time() + SETTLE
+    while True:
+        left_fds = _open_fds() - fds
+        extra_tasks = len(anyio.get_running_tasks()) - tasks
+        if (not left_fds and extra_tasks <= 0) or anyio.current_time() >= deadline:
+            break
+        await anyio.sleep(0.02)
+    problems = []
+    if left_fds:
+        problems.append(f"file descriptors left open: {_describe(left_fds)}")
+    if extra_tasks > 0:
+        problems.append(f"{extra_tasks} task(s) still running")
+    if fabric is not None:
+        live = {name: n for name, n in fabric.live_objects().items() if n}
+        if live:
+            problems.append(f"verbs objects of the simulated wire not released: {live}")
+    if problems:
+        pytest.fail(f"aiordma: after the test ({kind} pair): " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+async def aiordma_stream_pair(aiordma_kind: str, anyio_backend: Any) -> AsyncIterator[tuple[Stream, Stream]]:
+    """A connected ``(client, server)`` byte-stream pair of ``aiordma_kind`` (see the module docs)."""
+    async with _checked_pair(aiordma_kind, messages=False) as pair:
+        yield pair
+
+
+@pytest.fixture
+async def aiordma_channel_pair(aiordma_kind: str, anyio_backend: Any) -> AsyncIterator[tuple[Channel, Channel]]:
+    """A connected ``(client, server)`` message-channel pair of ``aiordma_kind`` (see the module docs)."""
+    async with _checked_pair(aiordma_kind, messages=True) as pair:
+        yield pair
