@@ -9,11 +9,14 @@
 * :func:`simulated_backend` / :class:`SimFabric` -- the simulated RC wire: verbs
   objects with RC semantics (ordered completions, queue limits, RNR, flushes,
   a completion channel fd that really becomes readable) and fault knobs.
+* :class:`Rechunked` and :mod:`aiordma.testing.strategies` (hypothesis) -- a byte stream whose
+  receives split and coalesce where a drawn chunking says, message sizes across every threshold.
 * :mod:`aiordma.testing.plugin` -- a pytest plugin (``-p aiordma.testing.plugin``): pair
   fixtures of every kind this host can make, checked for leaks after each test.
 * :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
 """
 
+from ._chunking import Rechunked
 from ._pairs import MemoryByteStream, aclose_together, channel_pair, memory_byte_stream_pair, rdma_address, stream_pair
 from ._sim import SimFabric, SimProvider, simulated_backend
 
@@ -24,6 +27,7 @@ __all__ = [
     "channel_pair",
     "rdma_address",
     "aclose_together",
+    "Rechunked",
     "SimFabric",
     "SimProvider",
     "simulated_backend",
