@@ -381,9 +381,13 @@ def make_options(
 
 
 async def _discard(core: Core) -> None:
-    """Release a connection whose setup failed (also under cancellation)."""
+    """Release a connection whose setup failed (also under cancellation).  What closing it
+    meets (the peer reset it meanwhile) is not raised: the caller raises why the setup failed."""
     with anyio.CancelScope(shield=True):
-        await core.aclose()
+        try:
+            await core.aclose()
+        except (anyio.BrokenResourceError, OSError) as exc:
+            log.debug("aiordma: closing a connection whose setup failed: %r", exc)
 
 
 async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = None) -> None:
