@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 
-
-def open_fds() -> set[int]:
-    """Open descriptors, less /dev/null: libuv (uvloop) keeps one open per
-    loop from its first listening socket on, as a reserve for EMFILE."""
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "/dev/null":
-                continue
-        except OSError:
-            continue  # closed meanwhile (or the listing's own descriptor)
-        fds.add(int(name))
-    return fds
-
-
-def _describe(fds: set[int]) -> list[str]:
-    out = []
-    for fd in sorted(fds):
-        try:
-            out.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:
-            out.append(f"{fd} (gone)")
-    return out
+# (one definition of "open descriptors": the pytest plugin's, which users' tests get too)
+from aiordma.testing.plugin import _describe
+from aiordma.testing.plugin import _open_fds as open_fds
 
 
 @asynccontextmanager
