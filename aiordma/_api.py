@@ -79,6 +79,11 @@ def _registered_view(item: Any) -> Any:
     raise TypeError(f"send() takes bytes, not {type(item).__name__}")
 
 
+def core_of(endpoint: _Endpoint) -> Core:
+    """The Core under a stream or channel (for aiordma.testing, which wraps endpoints)."""
+    return endpoint._core
+
+
 class _Endpoint:
     """What streams and channels share: the Core and the typed attributes."""
 

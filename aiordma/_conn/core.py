@@ -307,6 +307,9 @@ class Core:
             if exc is not None:
                 perr.__cause__ = exc
             # the transport failed (reset, timed out: a dead peer host): say that, not "no CLOSE"
+            # (anyio's streams raise BrokenResourceError from the OSError)
+            if isinstance(exc, BrokenResourceError) and isinstance(exc.__cause__, OSError):
+                exc = exc.__cause__
             self.on_error(exc if isinstance(exc, OSError) else perr)
         else:
             if exc is not None and self.peer_close is None:

@@ -10,13 +10,17 @@
   objects with RC semantics (ordered completions, queue limits, RNR, flushes,
   a completion channel fd that really becomes readable) and fault knobs.
 * :class:`Rechunked` and :mod:`aiordma.testing.strategies` (hypothesis) -- a byte stream whose
-  receives split and coalesce where a drawn chunking says, message sizes across every threshold.
+  receives split and coalesce where a drawn chunking says, message sizes across every threshold,
+  delays of a memory pair's wire, and fault schedules (:class:`Fault`: a peer that closes, aborts,
+  dies or resets after step k; a lost link, RNR, late ACKs or completions on the simulated wire)
+  that the pairs apply at the same step on every run.
 * :mod:`aiordma.testing.plugin` -- a pytest plugin (``-p aiordma.testing.plugin``): pair
   fixtures of every kind this host can make, checked for leaks after each test.
 * :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
 """
 
 from ._chunking import Rechunked
+from ._faults import FAULT_KINDS, Fault, supported_faults
 from ._pairs import MemoryByteStream, aclose_together, channel_pair, memory_byte_stream_pair, rdma_address, stream_pair
 from ._sim import SimFabric, SimProvider, simulated_backend
 
@@ -28,6 +32,9 @@ __all__ = [
     "rdma_address",
     "aclose_together",
     "Rechunked",
+    "Fault",
+    "FAULT_KINDS",
+    "supported_faults",
     "SimFabric",
     "SimProvider",
     "simulated_backend",

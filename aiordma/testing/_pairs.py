@@ -8,20 +8,24 @@ real listener on 127.0.0.1 (``rdma`` demands RDMA: strict policy).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import errno
+import os
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import AsyncResource, ByteStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._api import Channel, Stream, connect, connect_channel, create_channel_listener, create_listener
+from .._api import Channel, Stream, connect, connect_channel, core_of, create_channel_listener, create_listener
 from .._conn.core import Core
 from .._tcp.links import StreamLink
 from .._handshake.negotiate import client_handshake, server_handshake
 from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from .._rdma.config import RdmaBackend
+from ._faults import Fault, FaultyChannel, FaultyStream, _Injector
 from ._sim import simulated_backend
 
 __all__ = [
@@ -34,23 +38,43 @@ __all__ = [
 ]
 
 PairKind = Literal["memory", "tcp", "rdma", "sim"]
-E = TypeVar("E", Stream, Channel)
 
 
 class MemoryByteStream(ByteStream):
-    """One end of an in-memory byte pipe with bounded buffering (backpressure)."""
+    """One end of an in-memory byte pipe with bounded buffering (backpressure).
+
+    ``delays``: each chunk this end receives is handed over only after that many turns of the
+    event loop (the sizes used in turn, cycled) -- a slower wire, measured in scheduling steps,
+    not seconds, so that it replays.  :meth:`reset` ends the pipe as a TCP reset does."""
 
     #: a ``send`` delivers its item whole or, cancelled, not at all
     atomic_sends = True
 
-    def __init__(self, send: MemoryObjectSendStream[bytes], receive: MemoryObjectReceiveStream[bytes]) -> None:
+    def __init__(self, send: MemoryObjectSendStream[bytes], receive: MemoryObjectReceiveStream[bytes],
+                 delays: Sequence[int] = ()) -> None:  # fmt: skip
+        if any(turns < 0 for turns in delays):
+            raise ValueError("a delay is 0 or more turns of the event loop")
         self._send = send
         self._receive = receive
         self._pending = b""
+        self._delays = tuple(delays)
+        self._chunks = 0
+        self.peer: MemoryByteStream | None = None
+        self._reset = False  # (the peer reset the connection)
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if not self._pending:
-            self._pending = await self._receive.receive()  # EndOfStream when the peer's side closed
+            try:
+                self._pending = await self._receive.receive()
+            except anyio.EndOfStream:  # the peer's side closed
+                if self._reset:
+                    raise anyio.BrokenResourceError("the connection was reset by the peer") from _reset_error()
+                raise
+            if self._delays:
+                turns = self._delays[self._chunks % len(self._delays)]
+                self._chunks += 1
+                for _ in range(turns):
+                    await anyio.lowlevel.checkpoint()
         data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
         return data
 
@@ -58,10 +82,20 @@ class MemoryByteStream(ByteStream):
         try:
             await self._send.send(bytes(item))
         except anyio.BrokenResourceError:
+            if self._reset:
+                raise anyio.BrokenResourceError("the connection was reset by the peer") from _reset_error()
             raise anyio.BrokenResourceError("the peer closed its end of the memory pipe") from None
 
     async def send_eof(self) -> None:
         await self._send.aclose()
+
+    def reset(self) -> None:
+        """End the pipe both ways at once as an RST does: the peer reads what it had already
+        been sent, then ``BrokenResourceError``; what it sends from now on is refused."""
+        if self.peer is not None:
+            self.peer._reset = True
+        self._send.close()
+        self._receive.close()
 
     async def aclose(self) -> None:
         await self._send.aclose()
@@ -72,22 +106,30 @@ class MemoryByteStream(ByteStream):
         return {}
 
 
-def memory_byte_stream_pair(max_buffered_chunks: int = 16) -> tuple[MemoryByteStream, MemoryByteStream]:
-    """Two connected in-memory byte streams."""
+def _reset_error() -> ConnectionResetError:
+    return ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
+
+
+def memory_byte_stream_pair(max_buffered_chunks: int = 16, *,
+                            delays: Sequence[int] = ()) -> tuple[MemoryByteStream, MemoryByteStream]:  # fmt: skip
+    """Two connected in-memory byte streams (``delays``: see :class:`MemoryByteStream`, both ways)."""
     a_send, b_receive = anyio.create_memory_object_stream[bytes](max_buffered_chunks)
     b_send, a_receive = anyio.create_memory_object_stream[bytes](max_buffered_chunks)
-    return MemoryByteStream(a_send, a_receive), MemoryByteStream(b_send, b_receive)
+    a, b = MemoryByteStream(a_send, a_receive, delays), MemoryByteStream(b_send, b_receive, delays)
+    a.peer, b.peer = b, a
+    return a, b
 
 
-async def _memory_cores(mode: Mode, max_message_size: int) -> tuple[Core, Core]:
-    a, b = memory_byte_stream_pair()
+async def _memory_cores(mode: Mode, max_message_size: int,
+                        delays: Sequence[int] = ()) -> tuple[Core, Core, MemoryByteStream, MemoryByteStream]:  # fmt: skip
+    a, b = memory_byte_stream_pair(delays=delays)
     now = anyio.current_time()
     client = StreamLink(a, Connection(Role.CLIENT, mode, now=now, max_message_size=max_message_size)).core
     server = StreamLink(b, Connection(Role.SERVER, mode, now=now, max_message_size=max_message_size)).core
     async with anyio.create_task_group() as tg:
         tg.start_soon(client_handshake, client, "tcp")
         tg.start_soon(server_handshake, server, "tcp")
-    return client, server
+    return client, server, a, b
 
 
 def rdma_address() -> str | None:
@@ -113,15 +155,12 @@ def _host_for(kind: str) -> str:
     return address
 
 
-@asynccontextmanager
-async def _tcp_pair(
-    mode: Mode, kind: str, max_message_size: int, wrap: Callable[[Core], E], backend: RdmaBackend | None = None
-) -> AsyncIterator[tuple[E, E]]:
+async def _connected(mode: Mode, kind: str, max_message_size: int, backend: RdmaBackend | None) -> tuple[Core, Core]:
+    """The cores of a client and the server's end, connected through a real listener (closed
+    before this returns)."""
     send, receive = anyio.create_memory_object_stream[Any](1)
     host = _host_for(kind)
     transport = "rdma" if kind == "sim" else kind
-    if kind == "sim" and backend is None:
-        backend = simulated_backend()
     listener: Any
     if mode is Mode.STREAM:
         listener = await create_listener(host, 0, transport=transport, rdma_backend=backend)
@@ -144,10 +183,7 @@ async def _tcp_pair(
                 )
             server = await receive.receive()
             tg.cancel_scope.cancel()
-    try:
-        yield client, server
-    finally:
-        await aclose_together(client, server)
+    return core_of(client), core_of(server)
 
 
 async def aclose_together(*endpoints: AsyncResource) -> None:
@@ -174,30 +210,65 @@ async def aclose_together(*endpoints: AsyncResource) -> None:
 
 
 @asynccontextmanager
-async def _pair(
-    kind: PairKind, mode: Mode, max_message_size: int, wrap: Callable[[Core], E], backend: RdmaBackend | None = None
-) -> AsyncIterator[tuple[E, E]]:
-    if kind != "memory":
-        async with _tcp_pair(mode, kind, max_message_size, wrap, backend) as pair:
-            yield pair
+async def _pair(kind: PairKind, mode: Mode, max_message_size: int, backend: RdmaBackend | None,
+                faults: Sequence[Fault], delays: Sequence[int]) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
+    if kind not in ("memory", "tcp", "sim", "rdma"):
+        raise ValueError(f"no pair kind {kind!r} (have: memory, tcp, sim, rdma)")
+    if delays and kind != "memory":
+        raise ValueError("delays apply to memory pairs (a real or simulated wire has its own timing)")
+    if kind == "sim" and backend is None:
+        backend = simulated_backend()
+    fabric = getattr(backend, "fabric", None) if kind == "sim" else None
+    injector = _Injector(kind, faults, fabric) if faults else None  # (checks the schedule first)
+    if kind == "memory":
+        client, server, client_pipe, server_pipe = await _memory_cores(mode, max_message_size, delays)
+        if injector is not None:
+            injector.pipes = {"client": client_pipe, "server": server_pipe}
+    else:
+        client, server = await _connected(mode, kind, max_message_size, backend)
+    plain: Any = Stream if mode is Mode.STREAM else Channel
+    if injector is None:
+        a, b = plain(client), plain(server)
+        try:
+            yield a, b
+        finally:
+            await aclose_together(a, b)
         return
-    client, server = await _memory_cores(mode, max_message_size)
-    a, b = wrap(client), wrap(server)
+    faulty: Any = FaultyStream if mode is Mode.STREAM else FaultyChannel
+    a, b = faulty(client, injector, "client"), faulty(server, injector, "server")
+    injector.ends = {"client": a, "server": b}
     try:
-        yield a, b
+        async with anyio.create_task_group() as tg:
+            injector.task_group = tg
+            try:
+                yield a, b
+            finally:
+                injector.release()
+                tg.cancel_scope.cancel()
     finally:
         await aclose_together(a, b)
 
 
 @asynccontextmanager
 async def stream_pair(
-    kind: PairKind = "memory", *, rdma_backend: RdmaBackend | None = None
+    kind: PairKind = "memory",
+    *,
+    rdma_backend: RdmaBackend | None = None,
+    faults: Sequence[Fault] = (),
+    delays: Sequence[int] = (),
 ) -> AsyncIterator[tuple[Stream, Stream]]:
     """``async with stream_pair("tcp") as (client, server):`` -- connected byte streams, closed on exit.
 
     ``"sim"``: the RDMA transport over the simulated wire (any host; ``rdma_backend``
-    may give a :func:`simulated_backend` with another config or fabric)."""
-    async with _pair(kind, Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE, Stream, rdma_backend) as pair:
+    may give a :func:`simulated_backend` with another config or fabric).
+
+    ``faults``: a schedule of :class:`~aiordma.testing.Fault` (drawn by
+    :func:`aiordma.testing.strategies.faults`); each side's calls are its steps, and a fault
+    fires when its side starts the step after ``after`` (see :mod:`aiordma.testing._faults`).
+    ``delays`` (``"memory"`` only): turns of the event loop before each chunk is delivered,
+    cycled (:func:`aiordma.testing.strategies.delays`).  Both replay: the same schedule fires
+    at the same point of the same conversation."""
+    async with _pair(kind, Mode.STREAM, DEFAULT_MAX_MESSAGE_SIZE, rdma_backend, faults, delays) as pair:
         yield pair
 
 
@@ -207,7 +278,10 @@ async def channel_pair(
     *,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     rdma_backend: RdmaBackend | None = None,
+    faults: Sequence[Fault] = (),
+    delays: Sequence[int] = (),
 ) -> AsyncIterator[tuple[Channel, Channel]]:
-    """``async with channel_pair("tcp") as (client, server):`` -- connected message channels."""
-    async with _pair(kind, Mode.MESSAGES, max_message_size, Channel, rdma_backend) as pair:
+    """``async with channel_pair("tcp") as (client, server):`` -- connected message channels
+    (``faults``, ``delays``: as for :func:`stream_pair`)."""
+    async with _pair(kind, Mode.MESSAGES, max_message_size, rdma_backend, faults, delays) as pair:
         yield pair

@@ -379,7 +379,7 @@ class SimFabric:
 
     Fault knobs: :attr:`hold_acks` / :meth:`release_acks` (and :attr:`flush_held_on_error`), :meth:`hold` /
     :meth:`release` (one QP's late ACKs, late receive completions, slow READs), :meth:`kill_qp`,
-    :meth:`fail_next`, :meth:`post_async_event`.  :attr:`counters` counts
+    :meth:`fail_next`, :meth:`not_ready`, :meth:`post_async_event`.  :attr:`counters` counts
     posts, polls, events and errors for tests and benchmarks.
     """
 
@@ -405,6 +405,7 @@ class SimFabric:
         self._killed: set[int] = set()
         self._recorders: dict[int, SimQueuePair] = {}  # native-path chan address -> its QP (record mode)
         self._fail_next: dict[int, int] = {}
+        self._not_ready: set[int] = set()  # QPs whose next incoming message finds no receive
         self._live: dict[str, int] = dict.fromkeys(_LIVE_KEYS, 0)
 
     # devices and discovery -----------------------------------------------
@@ -531,6 +532,13 @@ class SimFabric:
         if int(status) == _OK:
             raise ValueError("fail_next needs an error status")
         self._fail_next[qp_num] = int(status)
+
+    def not_ready(self, qp_num: int) -> None:
+        """The next message that comes to this QP (a send, or a write with immediate) finds no
+        receive posted, whatever is posted: receiver not ready, retries exhausted -- the
+        requester's work request fails with ``RNR_RETRY_EXC_ERR`` and its QP goes to ERROR (this
+        QP stays as it is, as on a NIC: an RNR NAK does not break the responder)."""
+        self._not_ready.add(qp_num)
 
     def post_async_event(self, context_name: str, event_type: int, qp_num: int | None = None) -> None:
         """Make the async fd of the open contexts of that device readable with this event."""
@@ -1412,7 +1420,8 @@ class SimQueuePair(_SimResource):
 
     # the wire: responder side (each returns the requester's status) --------
     def _take_recv(self) -> tuple[int, int, int, int] | None:
-        if not self._recvs:
+        if not self._recvs or self.qp_num in self._fabric._not_ready:
+            self._fabric._not_ready.discard(self.qp_num)
             self._fabric.counters["rnr_errors"] += 1
             return None
         return self._recvs.popleft()
@@ -1487,6 +1496,7 @@ class SimQueuePair(_SimResource):
         fab._qps.pop(self.qp_num, None)
         self.context._qps.pop(self.qp_num, None)
         fab._fail_next.pop(self.qp_num, None)
+        fab._not_ready.discard(self.qp_num)
         if self._held:
             fab._held = [(q, c) for q, c in fab._held if q is not self]
             self._held = 0
