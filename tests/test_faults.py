@@ -219,3 +219,14 @@ def test_property_the_client_never_hangs_and_gets_a_typed_end(schedule: tuple[Fa
             "EndOfStream", "BrokenResourceError", "ClosedResourceError"), trace  # fmt: skip
         if not schedule:
             assert end == "completed", trace
+
+
+@pytest.mark.parametrize("schedule", [(Fault("close", "server", 9),), (Fault("hold_acks", "client", 0),)],
+                         ids=["plain", "with-tasks"])  # fmt: skip
+async def test_what_the_test_raises_comes_out_as_it_was_raised(schedule: tuple[Fault, ...]) -> None:
+    # (a schedule with holds runs a task group around the test's body: no ExceptionGroup from it)
+    with pytest.raises(KeyError, match="mine"):
+        async with channel_pair("sim", faults=schedule) as (client, server):
+            await client.send(b"x")
+            assert await server.receive() == b"x"
+            raise KeyError("mine")

@@ -119,6 +119,8 @@ class _Injector:
         self.fired: list[Fault] = []
         self.task_group: TaskGroup | None = None
         self._held: set[int] = set()
+        #: whether the schedule needs tasks of its own (a hold's release)
+        self.needs_tasks = any(fault.kind.startswith("hold_") for fault in self.faults)
 
     async def step(self, side: str) -> None:
         n = self.steps[side]
