@@ -230,3 +230,13 @@ async def test_what_the_test_raises_comes_out_as_it_was_raised(schedule: tuple[F
             await client.send(b"x")
             assert await server.receive() == b"x"
             raise KeyError("mine")
+
+
+@pytest.mark.rdma
+@pytest.mark.guest_loops("trio")
+@pytest.mark.parametrize("fault", ["close", "abort", "dead", "reset"])
+async def test_each_fault_on_a_real_device(fault: str) -> None:
+    trace = await conversation("rdma", (Fault(fault, "server", 3),))  # type: ignore[arg-type]
+    assert client_end(trace).split(":")[0] in EXPECTED[fault], trace
+    assert answers(trace)[:1] == ["REQ0"] and len(answers(trace)) <= 2, trace
+    assert ("server", "ClosedResourceError") in trace, trace

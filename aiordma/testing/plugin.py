@@ -1,8 +1,9 @@
 """aiordma's pytest plugin: connected pairs for property tests of your own network code.
 
-Load it with ``pytest -p aiordma.testing.plugin``, or in your top-level ``conftest.py``::
-
-    pytest_plugins = ["aiordma.testing.plugin"]
+pytest loads it by its ``pytest11`` entry point wherever aiordma is installed (as anyio's
+plugin); ``-p no:aiordma.testing.plugin`` turns it off, and naming it -- ``-p
+aiordma.testing.plugin``, or ``pytest_plugins = ["aiordma.testing.plugin"]`` in a top-level
+``conftest.py`` -- is harmless.
 
 It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and parametrize
 ``anyio_backend`` as anyio's documentation says, for asyncio and trio both).  Fixtures:
@@ -12,8 +13,9 @@ It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and pa
     over an in-memory pipe, no sockets: deterministic and fast), ``"tcp"`` (a real listener on
     127.0.0.1), ``"sim"`` (the RDMA transport over the simulated RC wire, any host) and
     ``"rdma"`` (a real device; skipped, with the reason, where none is usable).  Narrow it by
-    overriding the fixture in your conftest: ``@pytest.fixture(params=["memory", "sim"])``
-    returning ``request.param``.
+    overriding the fixture in your conftest: ``@pytest.fixture(params=["memory", "sim"],
+    scope="module")`` returning ``request.param`` (module-scoped, so that ``@given`` tests may
+    use it: hypothesis refuses function-scoped fixtures, which its examples would share).
 
 ``aiordma_stream_pair`` / ``aiordma_channel_pair``
     ``(client, server)``: a connected :class:`aiordma.Stream` (byte stream) or
@@ -23,14 +25,18 @@ It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and pa
     to what they were, and on ``"sim"`` every verbs object of the wire (QPs, CQs, MRs) was
     released -- a test that leaks one fails in its teardown, naming what is left.
 
+``checked_pair(kind, messages=..., faults=..., delays=...)``
+    The same pair as an async context manager, checked the same way when it ends: for property
+    tests, where every hypothesis example needs a pair of its own.
+
 Every fixture is a plain pytest fixture: nothing here changes how pytest collects or runs
-tests.  Importing this module imports nothing of aiordma until a fixture is used.
+tests.  The pairs' own modules are imported when a fixture is first used.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +44,9 @@ import pytest
 
 if TYPE_CHECKING:
     from .._api import Channel, Stream
+    from ._faults import Fault
 
-__all__ = ["aiordma_kind", "aiordma_stream_pair", "aiordma_channel_pair", "KINDS"]
+__all__ = ["aiordma_kind", "aiordma_stream_pair", "aiordma_channel_pair", "checked_pair", "KINDS"]
 
 #: the kinds of pair, in the order the fixtures run them
 KINDS = ("memory", "tcp", "sim", "rdma")
@@ -70,9 +77,10 @@ def _describe(fds: set[int]) -> str:
     return ", ".join(out)
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=KINDS, scope="module")
 def aiordma_kind(request: pytest.FixtureRequest) -> str:
-    """The kind of pair (see the module docs); ``"rdma"`` is skipped where no device is usable."""
+    """The kind of pair (see the module docs); ``"rdma"`` is skipped where no device is usable.
+    Module-scoped, as anyio's ``anyio_backend``: a hypothesis test (``@given``) may use it."""
     kind: str = request.param
     if kind == "rdma":
         from ._pairs import rdma_address
@@ -83,7 +91,13 @@ def aiordma_kind(request: pytest.FixtureRequest) -> str:
 
 
 @asynccontextmanager
-async def _checked_pair(kind: str, messages: bool) -> AsyncIterator[tuple[Any, Any]]:
+async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fault] = (),
+                       delays: Sequence[int] = ()) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
+    """``async with checked_pair(kind, faults=schedule) as (client, server):`` -- the fixtures'
+    pair (a stream pair, or a channel pair with ``messages=True``) as a context manager, checked
+    the same way when it ends: for a property test, where each hypothesis example needs a pair
+    of its own (a fixture would be shared by every example of the test).  ``faults`` and
+    ``delays``: see :func:`aiordma.testing.stream_pair`."""
     import anyio
 
     from ._pairs import channel_pair, stream_pair
@@ -98,7 +112,7 @@ async def _checked_pair(kind: str, messages: bool) -> AsyncIterator[tuple[Any, A
         fabric.add_device("sim0", "127.0.0.1")
         backend = simulated_backend(fabric=fabric)
     make = channel_pair if messages else stream_pair
-    async with make(kind, rdma_backend=backend) as pair:  # type: ignore[arg-type]
+    async with make(kind, rdma_backend=backend, faults=faults, delays=delays) as pair:  # type: ignore[arg-type]
         try:
             yield pair
         finally:
@@ -127,12 +141,12 @@ async def _checked_pair(kind: str, messages: bool) -> AsyncIterator[tuple[Any, A
 @pytest.fixture
 async def aiordma_stream_pair(aiordma_kind: str, anyio_backend: Any) -> AsyncIterator[tuple[Stream, Stream]]:
     """A connected ``(client, server)`` byte-stream pair of ``aiordma_kind`` (see the module docs)."""
-    async with _checked_pair(aiordma_kind, messages=False) as pair:
+    async with checked_pair(aiordma_kind, messages=False) as pair:
         yield pair
 
 
 @pytest.fixture
 async def aiordma_channel_pair(aiordma_kind: str, anyio_backend: Any) -> AsyncIterator[tuple[Channel, Channel]]:
     """A connected ``(client, server)`` message-channel pair of ``aiordma_kind`` (see the module docs)."""
-    async with _checked_pair(aiordma_kind, messages=True) as pair:
+    async with checked_pair(aiordma_kind, messages=True) as pair:
         yield pair
