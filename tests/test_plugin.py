@@ -161,3 +161,47 @@ def test_checked_pair_serves_property_tests_with_faults(tmp_path: Path) -> None:
     # the property on memory and sim under asyncio and trio; the leak fails, named, on each
     assert re.search(r"\b4 passed", text) and re.search(r"\b4 failed", text), text
     assert text.count("file descriptors left open") >= 4 and "/dev/zero" in text, text
+
+
+USER_ON_A_DEVICE = '''
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"], scope="module")
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.fixture(params=["rdma"], scope="module")
+def aiordma_kind(request):
+    return request.param
+
+
+async def test_stream(aiordma_stream_pair):
+    client, server = aiordma_stream_pair
+    assert client.transport == "rdma"
+    await client.send(b"x" * 100000)
+    got = b""
+    while len(got) < 100000:
+        got += await server.receive()
+
+
+async def test_channel(aiordma_channel_pair):
+    client, server = aiordma_channel_pair
+    await server.send(b"y" * 300000)
+    assert await client.receive() == b"y" * 300000
+'''
+
+
+@pytest.mark.rdma
+def test_the_plugin_on_a_device(tmp_path: Path) -> None:
+    # (its pairs run on the device, and its check -- descriptors, tasks, the device's QPs -- holds)
+    (tmp_path / "test_user_device.py").write_text(USER_ON_A_DEVICE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "aiordma.testing.plugin", "-p", "no:cacheprovider",
+                          "-q", "test_user_device.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=env)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and re.search(r"\b4 passed", text), text

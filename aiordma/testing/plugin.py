@@ -23,7 +23,8 @@ It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and pa
     After the test both ends are closed together (:func:`aiordma.testing.aclose_together`: a
     close waits for its reader), then checked: the test's file descriptors and tasks are back
     to what they were, and on ``"sim"`` every verbs object of the wire (QPs, CQs, MRs) was
-    released -- a test that leaks one fails in its teardown, naming what is left.
+    released (on ``"rdma"``, every queue pair of the device) -- a test that leaks one fails in
+    its teardown, naming what is left.
 
 ``checked_pair(kind, messages=..., faults=..., delays=...)``
     The same pair as an async context manager, checked the same way when it ends: for property
@@ -36,7 +37,7 @@ tests.  The pairs' own modules are imported when a fixture is first used.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,12 @@ async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fa
 
     fds = _open_fds()
     tasks = len(anyio.get_running_tasks())
+    live_qps: Callable[[], int] = lambda: 0  # noqa: E731
+    if kind == "rdma":  # (a device's context, PD and pools outlive a connection; its QPs do not)
+        from .._rdma.verbs import live_objects
+
+        live_qps = lambda: live_objects()["qps"]  # noqa: E731
+    qps = live_qps()
     fabric: SimFabric | None = None
     backend = None
     if kind == "sim":
@@ -122,7 +129,8 @@ async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fa
     while True:
         left_fds = _open_fds() - fds
         extra_tasks = len(anyio.get_running_tasks()) - tasks
-        if (not left_fds and extra_tasks <= 0) or anyio.current_time() >= deadline:
+        extra_qps = live_qps() - qps
+        if (not left_fds and extra_tasks <= 0 and extra_qps <= 0) or anyio.current_time() >= deadline:
             break
         await anyio.sleep(0.02)
     problems = []
@@ -130,6 +138,8 @@ async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fa
         problems.append(f"file descriptors left open: {_describe(left_fds)}")
     if extra_tasks > 0:
         problems.append(f"{extra_tasks} task(s) still running")
+    if extra_qps > 0:
+        problems.append(f"{extra_qps} queue pair(s) of the device not destroyed")
     if fabric is not None:
         live = {name: n for name, n in fabric.live_objects().items() if n}
         if live:
