@@ -28,7 +28,7 @@ import struct
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 from anyio.abc import SocketAttribute, TaskGroup
@@ -38,7 +38,6 @@ from .._attributes import TransportAttribute
 
 if TYPE_CHECKING:
     from .._conn.core import Core
-    from ._pairs import MemoryByteStream
     from ._simverbs import SimFabric
 
 __all__ = ["Fault", "FaultKind", "FAULT_KINDS", "FaultyStream", "FaultyChannel", "supported_faults"]
@@ -100,11 +99,17 @@ class Fault:
         return f"{self.kind} of the {self.side} after its step {self.after}"
 
 
+class _Resettable(Protocol):
+    """A pipe end that can end the connection as a TCP reset does (``MemoryByteStream``)."""
+
+    def reset(self) -> None: ...
+
+
 class _Injector:
     """Applies a schedule to one pair: counts each side's steps, fires what is due."""
 
     def __init__(self, kind: str, faults: Sequence[Fault], fabric: SimFabric | None,
-                 pipes: dict[str, MemoryByteStream] | None = None) -> None:  # fmt: skip
+                 pipes: dict[str, _Resettable] | None = None) -> None:  # fmt: skip
         have = supported_faults(kind)
         for fault in faults:
             if fault.kind not in have:
