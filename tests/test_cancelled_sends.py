@@ -148,3 +148,14 @@ async def test_cancelled_concurrent_sends_never_deliver_a_message_that_was_not_s
     """Random programs of concurrent senders with random timeouts, on every transport -- the
     simulated wire and (in the guest, under asyncio and trio) rxe among them."""
     await run_program(kind, tlsdir, senders, reader_delay)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_small_messages_behind_a_large_one_all_arrive_before_the_end(anyio_backend: Any, kind: str,
+                                                                           tlsdir: str) -> None:  # fmt: skip
+    """The example the property found (the full suite, uvloop over TLS): 1 MiB, then three small
+    messages, the reader 20 ms late, then the sender's close.  On uvloop over TLS the last ones
+    went missing in 99 of 100 runs, and the close reported success: uvloop's TLS dropped what it
+    held undecrypted when the connection ended while the reader had paused reading."""
+    for _ in range(10):
+        await run_program(kind, tlsdir, [[(1 << 20, None), (16, None), (16, None), (16, None)]], 0.02)

@@ -268,6 +268,13 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
+        elif transport.get_extra_info("uvloop.sslproto") is not None:
+            # uvloop's TLS drops what it holds undecrypted when the connection ends while we
+            # have paused reading (asyncio's keeps it for us): with these limits it stops reading
+            # the socket as soon as it holds anything we have not taken, so the peer's end stays
+            # in the kernel, behind its data, until we read again
+            limits: Any = transport
+            limits.set_read_buffer_limits(high=1, low=0)
         if self._on_made is not None:
             self._on_made(self)
 
