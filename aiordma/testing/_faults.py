@@ -198,7 +198,27 @@ async def _die(endpoint: Stream | Channel, why: str) -> None:
         await endpoint.aclose()
 
 
-class FaultyStream(Stream):
+class _Steps:
+    """What both faulty endpoints share: each call is a step of the schedule, then the call."""
+
+    _injector: _Injector
+    _side: str
+
+    async def receive_into(self, buffer: Any) -> int:
+        await self._injector.step(self._side)
+        got: int = await super().receive_into(buffer)  # type: ignore[misc]
+        return got
+
+    async def send(self, item: bytes) -> None:
+        await self._injector.step(self._side)
+        await super().send(item)  # type: ignore[misc]
+
+    async def send_eof(self) -> None:
+        await self._injector.step(self._side)
+        await super().send_eof()  # type: ignore[misc]
+
+
+class FaultyStream(_Steps, Stream):
     """A :class:`aiordma.Stream` whose calls are the steps of a fault schedule (see the module docs)."""
 
     def __init__(self, core: Core, injector: _Injector, side: str) -> None:
@@ -210,20 +230,8 @@ class FaultyStream(Stream):
         await self._injector.step(self._side)
         return await super().receive(max_bytes)
 
-    async def receive_into(self, buffer: Any) -> int:
-        await self._injector.step(self._side)
-        return await super().receive_into(buffer)
 
-    async def send(self, item: bytes) -> None:
-        await self._injector.step(self._side)
-        await super().send(item)
-
-    async def send_eof(self) -> None:
-        await self._injector.step(self._side)
-        await super().send_eof()
-
-
-class FaultyChannel(Channel):
+class FaultyChannel(_Steps, Channel):
     """A :class:`aiordma.Channel` whose calls are the steps of a fault schedule (see the module docs)."""
 
     def __init__(self, core: Core, injector: _Injector, side: str) -> None:
@@ -234,15 +242,3 @@ class FaultyChannel(Channel):
     async def receive(self) -> bytes:
         await self._injector.step(self._side)
         return await super().receive()
-
-    async def receive_into(self, buffer: Any) -> int:
-        await self._injector.step(self._side)
-        return await super().receive_into(buffer)
-
-    async def send(self, item: bytes) -> None:
-        await self._injector.step(self._side)
-        await super().send(item)
-
-    async def send_eof(self) -> None:
-        await self._injector.step(self._side)
-        await super().send_eof()
