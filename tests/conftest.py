@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from . import _time_limits
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a test dependency
@@ -64,7 +66,12 @@ def guest_keeps(item: pytest.Item) -> bool:
     return True
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_time_limits.TimeLimits(), "aiordma-tests-time-limits")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _time_limits.apply(config, items)
     if os.environ.get("AIORDMA_IN_VM") == "1" and os.environ.get("AIORDMA_GUEST_FULL") != "1":
         kept: list[pytest.Item] = []
         left: list[pytest.Item] = []
