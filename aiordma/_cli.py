@@ -484,11 +484,9 @@ async def _measure_message_rate(channel: Channel, count: int) -> float:
 def demo_host() -> str:
     """Where the demo listens: an address an RDMA device serves when this host
     can do RDMA (RDMA needs the device behind the address), else loopback."""
-    from ._rdma.discovery import probe
+    from ._rdma.discovery import probe, rdma_address
 
     if probe().usable:
-        from .testing import rdma_address
-
         address = rdma_address()
         if address is not None:
             return address

@@ -19,14 +19,15 @@ RDMA alike.  It calls its protocol as asyncio's own TCP transport does:
 Theory of operation
 -------------------
 The transport does not run a task per connection.  On TCP the link (an asyncio protocol itself)
-calls :meth:`AiordmaTransport._wake` right after it fed the Core -- inside the socket's read
+calls :meth:`AiordmaTransport._wake` right after it fed the Core (``Nowait.set_callbacks``) -- inside the socket's read
 callback, where asyncio's transport calls ``data_received`` too.  The RDMA link wakes its waiters
 from inside the completion handler, where no user code may run: there the transport waits like
-any reader, on the future of ``link.incoming()``, and delivers from that future's callback (one
+any reader, on the future of ``Nowait.incoming()``, and delivers from that future's callback (one
 loop turn later, outside the handler).  Bytes pass from the Core's receive buffer to the protocol
 with one copy (into ``bytes``, or into the ``BufferedProtocol``'s buffer).
 
-Writing never blocks: ``write`` frames the bytes and queues them on the link.  On TCP the write
+The transport talks to the Core and to its non-blocking API (:mod:`aiordma._conn.nowait`), never
+to a link.  Writing never blocks: ``write`` frames the bytes and queues them on the link.  On TCP the write
 buffer and its limits are the TCP transport's; on RDMA they are the bytes queued but not yet
 posted to the send queue (the NIC owns what was posted).  Writes go through the SEND slots; a
 write is never turned into a rendezvous here (that needs an await).
@@ -44,8 +45,10 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import anyio
+
 from ._conn.core import Core
-from ._tcp.links import write_chunks
+from ._conn.nowait import Nowait
 from ._proto.protocol import Half, Mode
 
 __all__ = ["AiordmaTransport", "extra_info", "reset_error"]
@@ -62,7 +65,7 @@ def reset_error(core: Core) -> ConnectionResetError:
     return err
 
 
-def extra_info(core: Core, link: Any, name: str, default: Any = None) -> Any:
+def extra_info(core: Core, now: Nowait, name: str, default: Any = None) -> Any:
     """``get_extra_info`` of aiordma's asyncio objects: ``"aiordma_transport"`` (``"tcp"`` or
     ``"rdma"``), ``"aiordma_fallback_reason"``, ``"aiordma_mode"``; the other names from the
     TCP transport underneath (``peername``, ``sockname``, ``socket``, ``ssl_object`` ...)."""
@@ -72,7 +75,7 @@ def extra_info(core: Core, link: Any, name: str, default: Any = None) -> Any:
         return core.fallback_reason
     if name == "aiordma_mode":
         return "stream" if core.proto.mode is Mode.STREAM else "messages"
-    transport = link.transport
+    transport = now.transport
     if transport is None:
         return default
     return transport.get_extra_info(name, default)
@@ -85,14 +88,14 @@ class AiordmaTransport(asyncio.Transport):
                  on_lost: Callable[[AiordmaTransport], None] | None = None) -> None:  # fmt: skip
         super().__init__()
         self._core = core
-        self._link: Any = core.link
+        self._now = Nowait(core)
         self._proto = core.proto
         self._loop = loop
         self._protocol = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._on_lost = on_lost
-        self._tcp = hasattr(self._link, "listener")  # AsyncioLink: direct callbacks
-        self._fast = self._tcp and not self._buffered
+        self._tcp = False  # the link calls us back (TCP) instead of being waited on (RDMA): _start
+        self._fast = False
         self._reading = True
         self._closing = False  # close() or abort() was called, or the connection ended
         self._lost_called = False
@@ -112,9 +115,8 @@ class AiordmaTransport(asyncio.Transport):
     def _start(self) -> None:
         """Call ``connection_made`` and start delivering (what arrived already goes first)."""
         self._protocol.connection_made(self)
-        if self._tcp:
-            self._link.listener = self._wake
-            self._link.write_listener = self._tcp_write_paused
+        self._tcp = self._now.set_callbacks(self._wake, self._tcp_write_paused)
+        self._fast = self._tcp and not self._buffered
         self._loop.call_soon(self._wake)
 
     # -- receiving ----------------------------------------------------------------------------
@@ -131,9 +133,7 @@ class AiordmaTransport(asyncio.Transport):
                 return
             data = bytes(rbuf)
             rbuf.clear()
-            link = self._link
-            if link._paused_reading:
-                link.consumed()
+            self._now.consumed()
             self._delivering = True
             try:
                 self._protocol.data_received(data)  # type: ignore[attr-defined]
@@ -156,7 +156,7 @@ class AiordmaTransport(asyncio.Transport):
             self._arm()
 
     def _arm(self) -> None:
-        wait = self._link.incoming()
+        wait = self._now.incoming()
         fut: asyncio.Future[None] = asyncio.ensure_future(wait)  # a future (a link that is done: a coroutine)
         self._armed = fut
         fut.add_done_callback(self._woken)
@@ -172,7 +172,7 @@ class AiordmaTransport(asyncio.Transport):
         core = self._core
         rbuf = core.rbuf
         protocol = self._protocol
-        link = self._link
+        now = self._now
         if core.error is not None and not (rbuf and self._reading):
             self._fatal(reset_error(core), None)
             return
@@ -188,14 +188,12 @@ class AiordmaTransport(asyncio.Transport):
                     with memoryview(rbuf) as src:
                         out.cast("B")[:take] = src[:take]
                 del rbuf[:take]
-                if link.needs_consumed:
-                    link.consumed()
+                now.consumed()
                 protocol.buffer_updated(take)  # type: ignore[attr-defined]
             else:
                 data = bytes(rbuf)
                 rbuf.clear()
-                if link.needs_consumed:
-                    link.consumed()
+                now.consumed()
                 protocol.data_received(data)  # type: ignore[attr-defined]
         if rbuf or self._closing or not self._reading:
             return
@@ -208,10 +206,10 @@ class AiordmaTransport(asyncio.Transport):
             if not keep_open or core.peer_close is not None and self._eof_sent:
                 self.close()
                 return
-        if link.lost and not self._closing:
+        if now.lost and not self._closing:
             # the connection ended without an error after the peer's CLOSE: release our side
             self._closing = True
-            self._close_link(b"", None)
+            self._close_link(None, release=True)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -222,30 +220,25 @@ class AiordmaTransport(asyncio.Transport):
             raise RuntimeError("Cannot call write() after write_eof()")
         if not data:
             return
-        core = self._core
-        link = self._link
-        if self._closing or link.lost or core.error is not None or core.peer_close is not None:
-            # as asyncio's transport: writes to a lost connection are dropped, and said so
-            self._writes_dropped += 1
-            if self._writes_dropped == 5:
-                log.warning("aiordma: write() on a lost connection (the data is dropped)")
-            return
-        chunks = self._proto.send_data(data)
-        writer = link.direct_writer
-        if writer is not None:  # TCP: the TCP transport buffers and pauses us itself
-            if len(chunks) == 1 and type(chunks[0]) is bytes:
-                writer.write(chunks[0])
-            else:
-                write_chunks(writer, chunks, link.fd)
-            link.written()
+        if self._closing or not self._now.writable:
+            self._drop_write()
             return
         try:
-            link.write_nowait(chunks)
+            self._now.write(data)
         except Exception as exc:
-            self._fatal(exc, "Fatal write error on the RDMA link")
+            if self._tcp and isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError)):
+                self._drop_write()  # (the TCP transport is closing: what asyncio's does)
+            else:
+                self._fatal(exc, "Fatal write error on the RDMA link")
             return
-        if not self._protocol_paused and self.get_write_buffer_size() > self._high:
-            self._pause_protocol()
+        if not self._tcp and not self._protocol_paused and self._now.unsent() > self._high:
+            self._pause_protocol()  # (on TCP the TCP transport pauses us itself)
+
+    def _drop_write(self) -> None:
+        # as asyncio's transport: writes to a lost connection are dropped, and said so
+        self._writes_dropped += 1
+        if self._writes_dropped == 5:
+            log.warning("aiordma: write() on a lost connection (the data is dropped)")
 
     def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
         for data in list_of_data:
@@ -259,10 +252,10 @@ class AiordmaTransport(asyncio.Transport):
             return
         self._eof_sent = True
         core = self._core
-        if core.error is not None or self._link.lost or self._proto.send_half is not Half.OPEN:
+        if core.error is not None or self._now.lost or self._proto.send_half is not Half.OPEN:
             return
         try:
-            self._link.write_nowait([self._proto.send_eof()])
+            self._now.write_eof()
         except Exception as exc:
             self._fatal(exc, "Fatal error sending EOF")
             return
@@ -270,16 +263,13 @@ class AiordmaTransport(asyncio.Transport):
             self.close()  # both sides ended: nothing more can happen
 
     def get_write_buffer_size(self) -> int:
-        if self._tcp:
-            writer = self._link.direct_writer
-            return int(writer.get_write_buffer_size()) if writer is not None else 0
-        session = self._link.session
-        return 0 if session is None else int(session.enqueued - session.posted_bytes)
+        return self._now.unsent()
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
-        if self._tcp and self._link.direct_writer is not None:
-            limits: tuple[int, int] = self._link.direct_writer.get_write_buffer_limits()
-            return limits
+        writer = self._now.tcp_writer
+        if writer is not None:
+            low, high = writer.get_write_buffer_limits()
+            return (low, high)
         return (self._low, self._high)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
@@ -290,8 +280,9 @@ class AiordmaTransport(asyncio.Transport):
         if not high >= low >= 0:
             raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
         self._high, self._low = high, low
-        if self._tcp and self._link.direct_writer is not None:
-            self._link.direct_writer.set_write_buffer_limits(high, low)
+        writer = self._now.tcp_writer
+        if writer is not None:
+            writer.set_write_buffer_limits(high, low)
         elif not self._protocol_paused and self.get_write_buffer_size() > high:
             self._pause_protocol()
 
@@ -316,7 +307,7 @@ class AiordmaTransport(asyncio.Transport):
     async def _drain(self) -> None:
         """RDMA: wait until the unposted bytes are at the low mark, then resume the protocol."""
         try:
-            await self._link.drain(self._low)
+            await self._now.drain(self._low)
         except Exception:
             return  # the connection failed: the wake that follows reports it
         finally:
@@ -360,8 +351,7 @@ class AiordmaTransport(asyncio.Transport):
         if self._closing:
             return
         self._closing = True
-        core = self._core
-        self._close_link(b"" if core.closed else core.begin_close(), None)
+        self._close_link(None)
 
     def abort(self) -> None:
         """Drop what was not sent; ``connection_lost(None)`` comes at once (the link's teardown runs on)."""
@@ -374,27 +364,21 @@ class AiordmaTransport(asyncio.Transport):
 
     def _abort_link(self) -> None:
         """Release the link delivering nothing more (the peer sees the connection fail)."""
-        core = self._core
-        core.closed = True
-        core.discard()
-        abort = getattr(self._link, "abort", None)
-        if abort is not None:
-            abort()
-        else:
-            self._link.close_nowait(b"")
+        self._now.abort()
 
-    def _close_link(self, final: bytes, exc: BaseException | None) -> None:
-        core = self._core
-        core.closed = True
+    def _close_link(self, exc: BaseException | None, release: bool = False) -> None:
         if self._armed is not None:
             self._armed.cancel()
             self._armed = None
-        self._link.close_nowait(final)
+        if release:
+            self._now.release()
+        else:
+            self._now.close()
         self._closer = self._loop.create_task(self._finish_close(exc))
 
     async def _finish_close(self, exc: BaseException | None) -> None:
         try:
-            await self._link.wait_closed()
+            await self._now.wait_closed()
         except Exception as err:  # the peer may not have everything, or the teardown failed
             log.warning("aiordma: closing the connection failed: %r", err)
             if exc is None:  # (the protocol learns it: there is no caller to raise to)
@@ -419,8 +403,7 @@ class AiordmaTransport(asyncio.Transport):
             return
         self._lost_called = True
         if self._tcp:
-            self._link.listener = None
-            self._link.write_listener = None
+            self._now.set_callbacks(None, None)
         if self._armed is not None:
             self._armed.cancel()
             self._armed = None
@@ -435,7 +418,7 @@ class AiordmaTransport(asyncio.Transport):
     # -- the rest of asyncio.Transport ---------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return extra_info(self._core, self._link, name, default)
+        return extra_info(self._core, self._now, name, default)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol

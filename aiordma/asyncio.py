@@ -31,10 +31,10 @@ from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
 from ._tcp.accept import Acceptor
 from ._api import AdmissionOptions, _make_acceptor
 from ._handshake.negotiate import Options, accept_handshake, make_options, open_client as _open
-from ._conn.core import Core, Link
-from ._errors import LocalProtocolError
+from ._conn.core import Core
+from ._conn.nowait import Nowait
 from ._handshake.limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
-from ._tcp.links import DEFAULT_KEEPALIVE, AsyncioLink, write_chunks
+from ._tcp.links import DEFAULT_KEEPALIVE
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
 from ._transport import extra_info
@@ -67,12 +67,10 @@ class StreamReader:
         if limit <= 0:
             raise ValueError("Limit cannot be <= 0")
         self._core = core
-        link = core.link
-        self._link = link
-        # the hot path: await the link's future directly, and skip consumed()
-        # on a TCP link that is not paused (it would do nothing)
-        self._incoming = link.incoming
-        self._tcp: AsyncioLink | None = link if isinstance(link, AsyncioLink) else None
+        nowait = Nowait(core)
+        # the hot path: await the link's future directly (no frame of ours)
+        self._incoming = nowait.incoming
+        self._consumed = nowait.consumed
         self._limit = limit
 
     def exception(self) -> BaseException | None:
@@ -108,9 +106,7 @@ class StreamReader:
             with memoryview(rbuf) as view:
                 data = bytes(view[:n])  # one copy, not two
             del rbuf[:n]
-        tcp = self._tcp
-        if tcp is None or tcp._paused_reading:
-            self._link.consumed()
+        self._consumed()
         return data
 
     # read() and readexactly() are the hot path: they inline _wait() and
@@ -138,9 +134,7 @@ class StreamReader:
             with memoryview(rbuf) as view:
                 data = bytes(view[:n])
             del rbuf[:n]
-        tcp = self._tcp
-        if tcp is None or tcp._paused_reading:
-            self._link.consumed()
+        self._consumed()
         return data
 
     async def readexactly(self, n: int) -> bytes:
@@ -161,9 +155,7 @@ class StreamReader:
             with memoryview(rbuf) as view:
                 data = bytes(view[:n])
             del rbuf[:n]
-        tcp = self._tcp
-        if tcp is None or tcp._paused_reading:
-            self._link.consumed()
+        self._consumed()
         return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:
@@ -199,7 +191,7 @@ class StreamReader:
                 del rbuf[: exc.consumed + 1]
             else:
                 rbuf.clear()
-            self._link.consumed()
+            self._consumed()
             raise ValueError(exc.args[0]) from exc
 
     def __aiter__(self) -> StreamReader:
@@ -215,35 +207,24 @@ class StreamReader:
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
-    def __init__(self, core: Core, link: Link, reader: StreamReader) -> None:
+    def __init__(self, core: Core, reader: StreamReader) -> None:
         self._core = core
-        self._link = link
+        self._now = Nowait(core)
         self._reader = reader
         self._proto = core.proto
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        core = self._core
-        link = self._link
-        proto = self._proto
-        if proto.send_half is _EOF:
+        if self._proto.send_half is _EOF:
             raise RuntimeError("Cannot call write() after write_eof()")
-        if core.closed or core.error is not None or link.lost or core.peer_close is not None:
+        now = self._now
+        if not now.writable:
             return  # as with asyncio: drain() reports the lost connection
-        chunks = proto.send_data(data)
-        writer = link.direct_writer
-        if writer is None:  # the RDMA link: no transport to write to
-            try:
-                link.write_nowait(chunks)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return  # as with asyncio: write() never raises for a lost connection, drain() does
-        else:
-            if len(chunks) == 1 and type(chunks[0]) is bytes:
-                writer.write(chunks[0])
-            else:
-                write_chunks(writer, chunks, getattr(link, "fd", -1))
-            link.written()
+        try:
+            now.write(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return  # as with asyncio: write() never raises for a lost connection, drain() does
 
     def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
         for chunk in data:
@@ -253,19 +234,19 @@ class StreamWriter:
         core = self._core
         if core.error is not None:
             raise _reset(core)
-        link = self._link
-        if link.lost or core.peer_close is not None:
+        now = self._now
+        if now.lost or core.peer_close is not None:
             raise ConnectionResetError("Connection lost")
-        if not link.paused_writing:
+        if not now.paused_writing:
             return  # the common case: no coroutine to await
         try:
-            await link.drain()
+            await now.drain()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            # the one boundary where the link's (anyio) errors become asyncio's
+            # the one boundary where the Core's (anyio) errors become asyncio's
             if core.error is not None:
                 raise _reset(core) from exc
             raise ConnectionResetError("Connection lost") from exc
-        if link.lost:
+        if now.lost:
             if core.error is not None:
                 raise _reset(core)
             raise ConnectionResetError("Connection lost")
@@ -274,53 +255,44 @@ class StreamWriter:
         return True
 
     def write_eof(self) -> None:
-        core = self._core
-        if core.closed or self._link.lost or self._proto.send_half is not Half.OPEN:
+        if self._core.closed or self._now.lost or self._proto.send_half is not Half.OPEN:
             return
         try:
-            frame = self._proto.send_eof()
-        except LocalProtocolError:  # pragma: no cover - guarded above
-            return
-        try:
-            self._link.write_nowait([frame])
+            self._now.write_eof()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return  # drain() reports it
 
     def close(self) -> None:
-        core = self._core
-        if core.closed:
-            return
-        self._link.close_nowait(core.begin_close())
+        if not self._core.closed:
+            self._now.close()
 
     def is_closing(self) -> bool:
-        return self._core.closed or self._link.lost
+        return self._core.closed or self._now.lost
 
     async def wait_closed(self) -> None:
         """Wait until the connection is closed: after a ``close()`` with bytes for the peer, until
         the peer has them all (however long a live peer takes to read); ``ConnectionResetError``
         (its cause: why) when it may not have them all -- its host died, it reset the connection."""
         try:
-            await self._link.wait_closed()
+            await self._now.wait_closed()
         except anyio.BrokenResourceError as exc:
             raise ConnectionResetError(str(exc)) from exc
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:
         """The TCP transport underneath (writing to it directly breaks the framing)."""
-        transport: asyncio.BaseTransport | None = self._link.transport
-        return transport
+        return self._now.transport
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return extra_info(self._core, self._link, name, default)
+        return extra_info(self._core, self._now, name, default)
 
     def __repr__(self) -> str:
         return f"<aiordma.asyncio.StreamWriter transport={self._core.transport}>"
 
 
 def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
-    link = core.link  # an AsyncioLink, or the RdmaLink that took over from it
     reader = StreamReader(core, limit)
-    return reader, StreamWriter(core, link, reader)
+    return reader, StreamWriter(core, reader)
 
 
 async def _open_stream(host: str, port: int, opts: Options) -> Core:
@@ -501,7 +473,7 @@ async def start_server(
             if result is not None:
                 await result
         except Exception as exc:
-            transport = core.link.transport
+            transport = writer.transport
             peer = transport.get_extra_info("peername") if transport is not None else None
             loop.call_exception_handler(
                 {"message": "Unhandled exception in client_connected_cb", "exception": exc,

@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 
 from . import _time_limits
+from ._skips import rdma_device_present
 
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a test dependency
     uvloop = None
-
-SYSFS_IB = "/sys/class/infiniband"
 
 BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -28,13 +27,6 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
-
-
-def rdma_device_present() -> bool:
-    try:
-        return bool(os.listdir(SYSFS_IB))
-    except OSError:
-        return False
 
 
 #: the poll modes the conformance suite's ``rdma`` kind runs in besides the default

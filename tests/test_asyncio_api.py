@@ -13,30 +13,13 @@ import pytest
 import aiordma
 from aiordma.asyncio import StreamReader, StreamWriter
 
+from ._asyncio_net import anyio_backend  # noqa: F401  (asyncio and uvloop)
 from ._leaks import no_fd_leak
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
 
 pytestmark = pytest.mark.anyio
 
 Handler = Callable[[StreamReader, StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(
-            ("asyncio", {"loop_factory": uvloop.new_event_loop if uvloop else None}),
-            id="uvloop",
-            marks=pytest.mark.skipif(uvloop is None, reason="uvloop is not installed"),
-        ),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> Any:
-    return request.param
 
 
 @asynccontextmanager

@@ -19,63 +19,11 @@ import pytest
 
 import aiordma
 import aiordma.asyncio as aa
-from aiordma.testing import SimFabric, SimProvider, rdma_address
 
 from ._leaks import no_fd_leak
-from .test_asyncio_api import anyio_backend  # noqa: F401  (asyncio and uvloop)
+from ._asyncio_net import KINDS, Net, anyio_backend  # noqa: F401  (asyncio and uvloop)
 
 pytestmark = pytest.mark.anyio
-
-
-KINDS = [
-    pytest.param("tcp", id="tcp"),
-    pytest.param("sim", id="sim"),
-    pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
-]
-
-
-class Net:
-    """Opens servers and connections of one kind (``ref`` is asyncio's own TCP)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self.fabric: SimFabric | None = None
-        self.host = "127.0.0.1"
-        if kind == "sim":
-            self.fabric = SimFabric()
-            self.fabric.add_device("sim0", "127.0.0.1")
-        elif kind == "rdma":
-            address = rdma_address()
-            assert address is not None, "no RDMA device with an IPv4 RoCEv2 address"
-            self.host = address
-        self.providers: list[SimProvider] = []
-
-    def _kw(self) -> dict[str, Any]:
-        if self.kind == "tcp":
-            return {"transport": "tcp"}
-        if self.kind == "sim":
-            assert self.fabric is not None
-            provider = SimProvider(self.fabric)
-            self.providers.append(provider)
-            return {"transport": "rdma", "rdma_backend": aiordma.RdmaBackend(provider=provider)}
-        return {"transport": "rdma"}
-
-    async def server(self, factory: Callable[[], asyncio.BaseProtocol]) -> Any:
-        if self.kind == "ref":
-            return await asyncio.get_running_loop().create_server(factory, self.host, 0)
-        return await aa.create_server(factory, self.host, 0, **self._kw())
-
-    async def connect(self, factory: Callable[[], asyncio.BaseProtocol], port: int) -> tuple[Any, Any]:
-        if self.kind == "ref":
-            return await asyncio.get_running_loop().create_connection(factory, self.host, port)
-        return await aa.create_connection(factory, self.host, port, **self._kw())
-
-    def live(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for provider in self.providers:
-            for key, value in provider.live_objects().items():
-                total[key] = total.get(key, 0) + value
-        return total
 
 
 class Rec(asyncio.Protocol):
@@ -395,7 +343,7 @@ async def test_a_broken_peer_is_connection_lost_with_a_reset(anyio_backend: Any)
     net = Net("tcp")
     async with opened(net, {}, {}) as (client, server, _):
         # the server's side writes bytes that are no aiordma frame under the framing
-        server.transport._link.direct_writer.write(b"\xff" * 64)
+        server.transport._now.tcp_writer.write(b"\xff" * 64)
         exc = await asyncio.wait_for(client.lost, 10)
         server.transport.abort()
     assert isinstance(exc, ConnectionResetError)
@@ -413,7 +361,7 @@ async def test_a_protocol_learns_that_the_peer_host_died(anyio_backend: Any) -> 
         client.transport.write(b"ping")
         await server.until(lambda: bytes(server.data) == b"ping")
         assert net.fabric is not None
-        net.fabric.kill_qp(server.transport._link.qp_num)
+        net.fabric.kill_qp(server.transport._core.link.qp_num)
         t0 = time.monotonic()
         exc = await asyncio.wait_for(asyncio.shield(client.lost), 5)
         took = time.monotonic() - t0

@@ -38,6 +38,7 @@ from aiordma._proto.states import Role, State
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
 from ._leaks import no_fd_leak
+from ._skips import one_loop_on_a_device
 
 KEY = b"correct horse battery staple"
 
@@ -223,8 +224,7 @@ KINDS = [
 
 
 def _one_loop_on_a_device(kind: str, anyio_backend: Any) -> None:
-    if kind == "rdma" and anyio_backend != ("asyncio", {}):
-        pytest.skip("on a device, asyncio only (every loop runs these on the simulated wire)")
+    one_loop_on_a_device(kind == "rdma", anyio_backend)
 
 
 class Side:

@@ -26,7 +26,7 @@ from anyio.abc import SocketAttribute
 from aiordma._tcp.links import unacknowledged
 
 from ._listener_proc import client_context
-from .test_slow_reader import Peer, loop_name, open_sender
+from ._slow_peer import Peer, loop_name, open_sender
 
 pytestmark = pytest.mark.anyio
 

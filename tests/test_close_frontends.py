@@ -15,7 +15,7 @@ import aiordma
 import aiordma.asyncio as aa
 
 from ._leaks import no_fd_leak
-from .test_asyncio_protocol import KINDS, Net, anyio_backend  # noqa: F401
+from ._asyncio_net import KINDS, Net, anyio_backend  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -23,108 +21,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma import RdmaBackend, RdmaConfig
-from aiordma.testing import channel_pair, simulated_backend, stream_pair
-from aiordma.testing._remote_end import remote_pair
 
+from ._kinds import PEER, SMALL_LIMIT, SUITE_KINDS, VARIANTS, channels, pair_args, read_exactly, read_to_eof, streams
 from ._leaks import no_fd_leak
+from ._skips import backend_of, one_loop_on_a_device
 
 pytestmark = pytest.mark.anyio
 
-KINDS = [
-    pytest.param("memory", id="memory"),
-    pytest.param("tcp", id="tcp"),
-    pytest.param("sim", id="sim"),  # the RDMA transport over the simulated RC wire (native path, event mode)
-    # the checked (Python) data path and the spinning poll modes, on the same wire
-    pytest.param("sim-checked", id="sim-checked"),
-    pytest.param("sim-adaptive", id="sim-adaptive"),
-    pytest.param("sim-busy", id="sim-busy"),
-    pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
-    pytest.param("rdma-checked", id="rdma-checked", marks=pytest.mark.rdma),
-    pytest.param("rdma-adaptive", id="rdma-adaptive", marks=pytest.mark.rdma),
-    pytest.param("rdma-busy", id="rdma-busy", marks=pytest.mark.rdma),
-]
-#: this suite's kinds also run across two hosts: the far end on host a of the two-guest bed
-#: (tests/test_twohost.py; other files that take KINDS have no far end there)
-SUITE_KINDS = [*KINDS, pytest.param("twohost", id="twohost", marks=pytest.mark.twohost)]
 
-#: the two-host kind: host a's address, and the transport (rdma in the bed; the host's own check
-#: of this kind, test_twohost.test_twohost_suite_runs_on_the_host, sets tcp)
-PEER = os.environ.get("AIORDMA_PEER_ADDRESS", "")
-TWOHOST_TRANSPORT = os.environ.get("AIORDMA_TWOHOST_TRANSPORT", "rdma")
-
-#: variant -> (pair kind, RdmaConfig fields)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    f"{base}-{name}": (base, config)
-    for base in ("sim", "rdma")
-    for name, config in (("checked", {"hot_path": "checked"}), ("adaptive", {"poll": "adaptive"}),
-                         ("busy", {"poll": "busy"}))  # fmt: skip
-}
-
-
-def _pair_args(kind: str, extra: dict[str, Any] | None = None) -> tuple[str, RdmaBackend | None]:
-    """The pair kind and RDMA backend of a test kind (a variant names a config; ``extra``:
-    more RdmaConfig fields, for the RDMA kinds)."""
-    if kind == "twohost":
-        return TWOHOST_TRANSPORT, None
-    if kind not in VARIANTS:
-        if not extra or kind not in ("sim", "rdma"):
-            return kind, None
-        base, fields = kind, {}
-    else:
-        base, fields = VARIANTS[kind]
-    config = RdmaConfig(**{**fields, **(extra or {})})
-    return base, simulated_backend(config) if base == "sim" else RdmaBackend(config)
-
-SMALL_LIMIT = 64 * 1024
 HYPOTHESIS = settings(
     # the guest stage sets fewer (each example there opens a real RDMA connection, ~20x slower)
     max_examples=int(os.environ.get("AIORDMA_HYPOTHESIS_EXAMPLES", "15")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-@asynccontextmanager
-async def streams(kind: str) -> AsyncIterator[tuple[aiordma.Stream, aiordma.Stream]]:
-    if kind == "twohost":
-        async with no_fd_leak(), remote_pair(PEER, "stream", transport=TWOHOST_TRANSPORT) as remote:
-            yield remote  # type: ignore[misc]
-        return
-    base, backend = _pair_args(kind)
-    async with no_fd_leak():
-        async with stream_pair(base, rdma_backend=backend) as pair:  # type: ignore[arg-type]
-            yield pair
-
-
-@asynccontextmanager
-async def channels(kind: str, limit: int = SMALL_LIMIT,
-                   config: dict[str, Any] | None = None) -> AsyncIterator[tuple[aiordma.Channel, aiordma.Channel]]:  # fmt: skip
-    if kind == "twohost":
-        async with no_fd_leak(), remote_pair(PEER, "channel", transport=TWOHOST_TRANSPORT, limit=limit,
-                                             config=config) as remote:  # fmt: skip
-            yield remote  # type: ignore[misc]
-        return
-    base, backend = _pair_args(kind, config)
-    async with no_fd_leak():
-        async with channel_pair(base, max_message_size=limit, rdma_backend=backend) as pair:  # type: ignore[arg-type]
-            yield pair
-
-
-async def read_exactly(stream: aiordma.Stream, n: int) -> bytes:
-    parts = []
-    while n:
-        chunk = await stream.receive(min(n, 1 << 20))
-        parts.append(chunk)
-        n -= len(chunk)
-    return b"".join(parts)
-
-
-async def read_to_eof(stream: aiordma.Stream) -> bytes:
-    parts = []
-    while True:
-        try:
-            parts.append(await stream.receive())
-        except EndOfStream:
-            return b"".join(parts)
 
 
 @pytest.fixture(params=SUITE_KINDS)
@@ -133,14 +41,9 @@ def kind(request: pytest.FixtureRequest) -> str:
     if kind == "twohost":
         if not PEER:
             pytest.skip("needs the two-host bed (AIORDMA_PEER_ADDRESS)")
-        name, options = request.getfixturevalue("anyio_backend") if "anyio_backend" in request.fixturenames else ("asyncio", {})
-        if name != "asyncio" or options:
-            pytest.skip("across hosts, under asyncio only (two TCG guests are slow)")
-    if kind in VARIANTS and kind.startswith("rdma") and "anyio_backend" in request.fixturenames:
-        name, options = request.getfixturevalue("anyio_backend")
-        if name != "asyncio" or options:  # trio, or asyncio on uvloop
-            # on rxe (20x slower) the variants run under one loop; the simulated wire runs all three
-            pytest.skip("on a device, the checked path and the poll modes run under asyncio only")
+        one_loop_on_a_device(True, backend_of(request))  # (two TCG guests are slow)
+    # on rxe (20x slower) the variants run under one loop; the simulated wire runs all three
+    one_loop_on_a_device(kind in VARIANTS and kind.startswith("rdma"), backend_of(request))
     return kind
 
 
@@ -149,7 +52,7 @@ async def test_transport_is_reported(kind: str) -> None:
         for end in (a, b):
             transport = end.extra(aiordma.TransportAttribute.transport)
             reason = end.extra(aiordma.TransportAttribute.fallback_reason)
-            if _pair_args(kind)[0] in ("rdma", "sim"):
+            if pair_args(kind)[0] in ("rdma", "sim"):
                 assert (transport, reason) == ("rdma", "")
                 assert end.extra(aiordma.TransportAttribute.qp_num) > 0
             else:

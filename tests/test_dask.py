@@ -60,10 +60,10 @@ from distributed.utils_test import gen_test  # noqa: E402
 import aiordma  # noqa: E402
 from aiordma import RdmaConfig  # noqa: E402
 from aiordma._dask import RDMABackend, RDMAComm, decode_head, encode  # noqa: E402
-from aiordma._rdma.device import open_devices  # noqa: E402
 from aiordma.testing import rdma_address, simulated_backend  # noqa: E402
 
-from .conftest import rdma_device_present  # noqa: E402
+from ._skips import rdma_device_present  # noqa: E402
+from ._leaks import pinned_unchanged, verbs_released  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -123,12 +123,9 @@ def tcp_kind(monkeypatch: pytest.MonkeyPatch) -> Kind:
 
 @pytest.fixture(autouse=True)
 def released_everything() -> Iterator[None]:
-    before = aiordma.memory_stats()
-    yield
-    after = aiordma.memory_stats()
-    assert after.pinned_bytes == before.pinned_bytes, "pinned bytes were not given back"
-    assert after.buffers == before.buffers, "a registration was left open"
-    assert open_devices() == [], "a device context was left open (a listener or a connection)"
+    with pinned_unchanged():
+        yield
+    verbs_released()
 
 
 def dead_port() -> int:

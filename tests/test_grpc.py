@@ -19,7 +19,7 @@ import aiordma.grpc  # noqa: E402
 from grpclib.server import Server  # noqa: E402
 
 from ._leaks import no_fd_leak  # noqa: E402
-from .test_asyncio_protocol import KINDS, Net, anyio_backend  # noqa: E402,F401
+from ._asyncio_net import KINDS, Net, anyio_backend  # noqa: E402,F401
 
 pytestmark = pytest.mark.anyio
 

@@ -32,9 +32,10 @@ from aiordma.testing import stream_pair
 
 from aiordma._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
-from .test_conformance import KINDS, _pair_args
-from .test_conformance import channels as conformance_channels
-from ._leaks import no_fd_leak
+from ._kinds import KINDS, streams
+from ._leaks import pinned_unchanged
+from ._skips import backend_of, one_loop_on_a_device
+from ._kinds import channels as conformance_channels
 
 pytestmark = pytest.mark.anyio
 
@@ -52,21 +53,14 @@ HYPOTHESIS = settings(
                                                                 "rdma-checked")])
 def kind(request: pytest.FixtureRequest) -> str:
     kind = str(request.param)
-    if kind.startswith("rdma") and "anyio_backend" in request.fixturenames:
-        name, options = request.getfixturevalue("anyio_backend")
-        if name != "asyncio" or options:
-            pytest.skip("rxe runs: asyncio only (the loops are covered on the simulated wire)")
+    one_loop_on_a_device(kind.startswith("rdma"), backend_of(request))
     return kind
 
 
 @pytest.fixture(autouse=True)
 def pinned_back_to_zero() -> Any:
-    before = aiordma.memory_stats()
-    yield
-    after = aiordma.memory_stats()
-    assert after.pinned_bytes == before.pinned_bytes, "pinned bytes were not given back"
-    assert after.registrations == before.registrations
-    assert after.buffers == before.buffers, "a registered buffer was left open"
+    with pinned_unchanged():
+        yield
 
 
 #: the rendezvous threshold these tests configure (lower than the default, measured on rxe under
@@ -353,8 +347,7 @@ async def test_receive_into_places_messages_and_keeps_a_too_large_one(anyio_back
 
 
 async def test_stream_receive_into(anyio_backend: Any, kind: str) -> None:
-    base, backend = _pair_args(kind, {"rendezvous": RNDV})
-    async with stream_pair(base, rdma_backend=backend) as (a, b):  # type: ignore[arg-type]
+    async with streams(kind, config={"rendezvous": RNDV}) as (a, b):
         data = os.urandom(300_000)
         await a.send(data)
         got = bytearray()
@@ -440,8 +433,7 @@ async def test_a_cancelled_receive_of_a_rendezvous_loses_nothing(anyio_backend: 
 async def test_large_stream_writes_go_by_rendezvous_in_order(anyio_backend: Any, kind: str) -> None:
     """A byte stream with large writes among small ones: every byte arrives in order (the bytes
     behind a rendezvous wait until it is READ); on the native path the large ones went by READ."""
-    base, backend = _pair_args(kind, {"rendezvous": RNDV})
-    async with no_fd_leak(), stream_pair(base, rdma_backend=backend) as (a, b):  # type: ignore[arg-type]
+    async with streams(kind, config={"rendezvous": RNDV}) as (a, b):
         threshold = RNDV
         sizes = [10, threshold, 5, 3 << 20, 1, threshold - 1, 2 << 20, 7]
         chunks = [os.urandom(n) for n in sizes]

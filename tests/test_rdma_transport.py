@@ -35,9 +35,10 @@ from aiordma._rdma.device import open_devices
 from aiordma._rdma.params import RdmaParams
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
-from ._leaks import no_fd_leak
+from ._leaks import no_fd_leak, verbs_released
 from ._pairs import served_pair
-from .test_conformance import read_exactly
+from ._kinds import read_exactly
+from ._skips import one_loop_on_a_device
 
 pytestmark = pytest.mark.anyio
 
@@ -80,9 +81,7 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
         assert address is not None, "no RDMA device with an IPv4 RoCEv2 address"
         e = Env("rxe", address, NativeProvider())
     yield e
-    assert open_devices() == [], "a device context was left open"
-    live = e.live()
-    assert live == dict.fromkeys(live, 0), f"verbs objects left: {live}"
+    verbs_released(e.live())
 
 
 class FailingBackend(RdmaBackend):
@@ -162,8 +161,7 @@ async def test_peer_without_rdma_interoperates(anyio_backend: Any, env: Env) -> 
 async def test_each_failing_setup_step_falls_back_to_tcp(anyio_backend: Any, env: Env, side: str, step: str) -> None:
     if side == "server" and step == "probe":
         pytest.skip("only the client probes the path")
-    if env.kind == "rxe" and anyio_backend[0] != "asyncio":
-        pytest.skip("on rxe one loop suffices: every loop runs this on the simulated wire")
+    one_loop_on_a_device(env.kind == "rxe", anyio_backend)
     failing = env.backend(FailingBackend, step=step)
     async with no_fd_leak(), echo_channel(env, server_backend=failing if side == "server" else None) as port:
         async with await aiordma.connect_channel(
@@ -566,7 +564,7 @@ async def test_asyncio_api_raises_asyncio_errors_over_rdma(anyio_backend: Any, e
                 env.host, server.addresses[0][1], transport="rdma", rdma_backend=env.backend()
             )
             await served.wait()
-            env.fabric.kill_qp(writer._link.peer.qp_num)  # the server's QP vanishes as a dead host would
+            env.fabric.kill_qp(writer._core.link.peer.qp_num)  # the server's QP vanishes as a dead host would
             with anyio.fail_after(10):
                 with pytest.raises(ConnectionResetError):
                     for _ in range(100):
@@ -947,8 +945,7 @@ async def test_a_hostile_peer_breaks_only_its_own_connection(anyio_backend: Any,
     READ), our other connection on the same device goes on, and nothing leaks."""
     from aiordma._rdma.constants import Access
 
-    if env.kind == "rxe" and anyio_backend != ("asyncio", {}):
-        pytest.skip("on rxe one loop suffices: every loop runs this on the simulated wire")
+    one_loop_on_a_device(env.kind == "rxe", anyio_backend)
     async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
         attacker, victim = _link(a), _link(b)
         cfg = victim.config

@@ -28,10 +28,10 @@ import aiordma
 from aiordma import RdmaBackend, RdmaConfig, RemoteBuffer
 from aiordma._rdma.config import NativeProvider
 from aiordma._rdma.constants import Access, Opcode, SendWR
-from aiordma._rdma.device import open_devices
 from aiordma.testing import SimFabric, SimProvider, rdma_address
 
-from ._leaks import no_fd_leak
+from ._leaks import no_fd_leak, pinned_unchanged, verbs_released
+from ._skips import backend_of, one_loop_on_a_device
 
 pytestmark = pytest.mark.anyio
 
@@ -57,9 +57,7 @@ class Env:
 @pytest.fixture(params=["sim", "sim-own-pd", pytest.param("rxe", marks=pytest.mark.rdma)])
 def env(request: pytest.FixtureRequest) -> Any:
     if request.param == "rxe":
-        name, options = request.getfixturevalue("anyio_backend")
-        if name != "asyncio" or options:
-            pytest.skip("rxe runs: asyncio only (the loops are covered on the simulated wire)")
+        one_loop_on_a_device(True, backend_of(request))
         host = rdma_address()
         assert host is not None, "no RDMA device with an IPv4 RoCEv2 address"
         e = Env("rxe", host, None)
@@ -67,13 +65,9 @@ def env(request: pytest.FixtureRequest) -> Any:
         fabric = SimFabric()
         fabric.add_device("sim0", "127.0.0.1", memory_windows=request.param == "sim")
         e = Env(request.param, "127.0.0.1", fabric)
-    before = aiordma.memory_stats()
-    yield e
-    assert open_devices() == [], "a device context was left open"
-    live = e.live()
-    assert live == dict.fromkeys(live, 0), f"verbs objects left: {live}"
-    after = aiordma.memory_stats()
-    assert after.pinned_bytes == before.pinned_bytes, "pinned bytes were not given back"
+    with pinned_unchanged():
+        yield e
+        verbs_released(e.live())
 
 
 @asynccontextmanager

@@ -60,7 +60,7 @@ async def test_after():
 """
     )
     started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
     took = time.monotonic() - started
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
@@ -72,7 +72,7 @@ async def test_after():
 def test_a_hung_synchronous_test_fails_too(pytester: pytest.Pytester) -> None:
     _ini(pytester, 1)
     pytester.makepyfile(test_hang="import time\ndef test_sleeps():\n    time.sleep(30)\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
     result.assert_outcomes(failed=1)
     assert "Timeout" in result.stdout.str()
 
@@ -137,7 +137,7 @@ def test_limits_per_marker_and_in_the_guest(pytester: pytest.Pytester, in_guest:
     if in_guest:
         env["AIORDMA_IN_VM"] = "1"
     pytester._monkeypatch.setattr(os, "environ", env)  # the subprocess inherits os.environ
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
     result.assert_outcomes(passed=5)
 
 
@@ -152,7 +152,7 @@ def test_slow(request):
     assert request.node.get_closest_marker("timeout") is None
 """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "--timeout=50")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "--timeout=50", timeout=90)
     result.assert_outcomes(passed=1)
 
 
@@ -185,7 +185,7 @@ async def test_after():
 """
     )
     started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
     took = time.monotonic() - started
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
@@ -214,7 +214,7 @@ async def test_hangs(n):
 """
     )
     started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
     result.assert_outcomes(failed=2)
     assert result.stdout.str().count("time limit: the test ran over 2 s") >= 2, result.stdout.str()
     assert time.monotonic() - started < 60

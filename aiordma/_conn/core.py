@@ -103,10 +103,10 @@ class Link(abc.ABC):
     #: exposure then keeps a task reading, so that the peer's one-sided requests are served)
     pulls: bool = False
 
+    @abc.abstractmethod
     def send_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue control frames (answers the Core makes while it is fed) to be sent in order,
         without waiting; raises if the link is gone."""
-        self.write_nowait(chunks)
 
     #: whether one-sided operations run on the NIC (an RDMA link); else MEMORY frames carry them
     one_sided_rdma: bool = False
@@ -115,42 +115,12 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]: ...
 
-    # -- the asyncio stream API (aiordma.asyncio), for links that run under asyncio -----------
-    #
-    # ``write_nowait`` queues without waiting (asyncio's ``write``); ``drain`` waits while
-    # ``paused_writing``; ``close_nowait`` starts closing and ``wait_closed`` waits for it;
-    # ``direct_writer`` is a transport the writer may write frames to itself (the TCP fast
-    # path) or None; ``lost``: the connection is gone or going (writes are dropped).
-
-    direct_writer: Any = None
-
-    def written(self) -> None:
-        """A writer wrote to ``direct_writer`` (the link may start watching the socket)."""
-
     @property
     def transport(self) -> Any:
-        """The TCP (asyncio) transport underneath, for ``get_extra_info``; None if there is none."""
+        """The TCP connection's asyncio transport, for its socket and ``get_extra_info``; None if
+        there is none.  (What asyncio's front ends need beyond this interface -- writing without
+        waiting, closing in the background -- is :class:`~aiordma._conn.nowait.NowaitLink`.)"""
         return None
-
-    @property
-    def lost(self) -> bool:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
-
-    @property
-    def paused_writing(self) -> bool:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
-
-    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
-
-    async def drain(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
-
-    def close_nowait(self, final: bytes) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
-
-    async def wait_closed(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no asyncio stream API")
 
     # -- rendezvous (a link that sets ``Core.rndv_min``: the RDMA link) ------------------------
 

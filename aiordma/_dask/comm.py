@@ -21,10 +21,11 @@ from distributed.comm.addressing import unparse_host_port
 from distributed.comm.core import Comm, CommClosedError
 from distributed.comm.utils import from_frames, to_frames
 
-from .._api import Channel
+from .._api import Channel, core_of
 from .._attributes import TransportAttribute
 from .._errors import AiordmaError
 from .._conn.memory import RegisteredMemory, register
+from .._conn.nowait import Nowait, NowaitLink
 from .._handshake.negotiate import resolve_transport
 from .._errors import MemlockLimitError
 from .framing import MIN_MESSAGE_SIZE, RDMA_PIECE, TCP_PIECE, _FramingError, decode_head, encode
@@ -102,27 +103,25 @@ def _address_of(channel: Channel, attribute: Any) -> str:
 def _close_nowait(channel: Channel) -> None:
     """Release a channel without waiting (``Comm.abort`` is synchronous): CLOSE is queued and the
     link closes in the background, as ``aiordma.asyncio``'s ``StreamWriter.close()`` does."""
-    core = channel._core
+    core = core_of(channel)
     if core.closed:
         return
-    final = core.begin_close()
     try:
-        core.link.close_nowait(final)
+        Nowait(core).close()
     except Exception as exc:  # no running loop (a finalizer at shutdown): nothing more to do
         logger.debug("rdma://: could not close a connection without waiting: %r", exc)
 
 
 async def _wait_released(channel: Channel) -> None:
     """Wait until the teardown :func:`_close_nowait` started is done."""
-    try:
-        await channel._core.link.wait_closed()
-    except NotImplementedError:  # (a link without the asyncio stream API: nothing to wait for)
-        pass
+    core = core_of(channel)
+    if isinstance(core.link, NowaitLink):  # (else aclose() released it: nothing to wait for)
+        await Nowait(core).wait_closed()
 
 
 def _peer_gone(channel: Channel) -> bool:
     """The connection ended (the peer closed it, or it broke) and nothing is left to read."""
-    core = channel._core
+    core = core_of(channel)
     return (core.closed or core.peer_close is not None or core.error is not None) and not core.messages
 
 
@@ -229,7 +228,7 @@ class RDMAComm(Comm):
         #: from this size on our messages go by rendezvous (None: never, as over TCP)
         self._rendezvous: int | None = None
         if channel.transport == "rdma":
-            rndv = channel._core.rndv_min
+            rndv = core_of(channel).rndv_min
             if rndv <= peer_max:  # (else the rendezvous is off, or no piece could reach it)
                 self._rendezvous = rndv
             piece = max(RDMA_PIECE, self._rendezvous or 0)
@@ -438,7 +437,7 @@ def _current_task() -> asyncio.Task[Any] | None:
 
 
 def _finalize_dangling(channel: Channel, description: str) -> None:
-    if sys.is_finalizing() or channel._core.closed:
+    if sys.is_finalizing() or core_of(channel).closed:
         return
     logger.warning("Closing dangling comm in %s", description)
     _close_nowait(channel)

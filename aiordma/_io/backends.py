@@ -316,6 +316,17 @@ def current_checkpoint() -> Callable[[], Awaitable[None]]:
     return _asyncio_checkpoint
 
 
+def asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop (uvloop's too), or None: under trio, or outside any loop.
+
+    With :func:`current_io` and :func:`current_checkpoint`, the one place aiordma tells the event
+    loops apart; the TCP links and the listener ask here which link to build."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def current_io() -> IOBackend:
     """The backend of the running event loop (asyncio, uvloop or trio)."""
     if sniffio.current_async_library() == "trio":

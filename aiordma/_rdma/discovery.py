@@ -28,6 +28,7 @@ __all__ = [
     "list_devices",
     "gid_for_ip",
     "device_names",
+    "rdma_address",
 ]
 
 SYSFS_IB = "/sys/class/infiniband"
@@ -215,3 +216,16 @@ def probe() -> Probe:
     if not native:
         return Probe(False, native_reason, native, native_reason, devices)
     return Probe(True, "", native, native_reason, devices)
+
+
+def rdma_address() -> str | None:
+    """A local IPv4 address that an RDMA device serves (an ACTIVE port's RoCEv2 GID), or None
+    (sysfs only: no verbs call)."""
+    for device in list_devices(query_verbs=False):
+        for port in device.ports:
+            if port.state != "ACTIVE":
+                continue
+            for entry in port.gids:
+                if entry.gid_type == "RoCEv2" and entry.gid.ipv4_mapped is not None:
+                    return str(entry.gid.ipv4_mapped)
+    return None

@@ -38,7 +38,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError
@@ -46,6 +46,7 @@ from anyio.abc import SocketAttribute
 
 from .._attributes import TransportAttribute
 from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._conn.nowait import NowaitLink
 from .._errors import RDMAError, RemoteProtocolError
 from .._io.backends import IOBackend, Watch, current_io
 from .._proto.protocol import CLOSE_FIXED, Chunk, CloseCode, FrameType, frame
@@ -816,9 +817,21 @@ class RdmaLink(RemoteOps, Link):
         elif session.sq_used < session.sq_depth:
             self._post_send([session.probe_work()])
 
-    # asyncio stream API -------------------------------------------------------------------
+    # the non-blocking API (aiordma._conn.nowait.NowaitLink: asyncio's front ends) ------------
 
-    direct_writer = None  # no transport to write to directly
+    tcp_writer = None  # the queue is the session's, not a TCP transport's
+
+    def send_nowait(self, chunks: Sequence[Chunk]) -> None:
+        self.write_nowait(chunks)
+
+    def unsent(self) -> int:
+        session = self.session
+        return 0 if session is None else int(session.enqueued - session.posted_bytes)
+
+    def set_callbacks(
+        self, on_data: Callable[[], None] | None, on_write_paused: Callable[[bool], None] | None
+    ) -> bool:
+        return False  # (a push of its own would cost every wake: front ends wait on incoming())
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue and post what can be posted now; ``drain`` waits for the rest."""
@@ -1145,3 +1158,9 @@ def _log_close_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("aiordma: closing an RDMA connection failed: %r", task.exception())
 
+
+
+if TYPE_CHECKING:  # mypy holds the link to the interface asyncio's front ends use
+
+    def _nowait(link: RdmaLink) -> NowaitLink:
+        return link

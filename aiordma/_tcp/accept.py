@@ -29,7 +29,6 @@ pending connections are closed with their tasks.  Nothing of a connection outliv
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import struct
@@ -42,6 +41,7 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from .._proto.admission import MAX_FIRST_FRAME, SILENT, Admission, Decision, first_frame_size
 from .._conn.core import Core, Link
+from .._io.backends import asyncio_loop
 from .links import AsyncioLink, StreamLink, wrap_tls
 from .._proto.protocol import Mode, Role
 
@@ -51,14 +51,6 @@ log = logging.getLogger("aiordma")
 
 #: how a listener runs a task: the anyio task group's ``start_soon``, or the asyncio server's
 Spawn = Callable[..., object]
-
-
-def _running_on_asyncio() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _reason(exc: BaseException) -> str:
@@ -355,8 +347,8 @@ class Acceptor:
         mode = self._mode
         sock = pending.sock
         with anyio.fail_after(opts.handshake_timeout):
-            if _running_on_asyncio():
-                loop = asyncio.get_running_loop()
+            loop = asyncio_loop()
+            if loop is not None:
                 proto = opts.protocol(Role.SERVER, mode, loop.time())
                 link = AsyncioLink(proto, loop)
                 pending.link = link

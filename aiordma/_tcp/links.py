@@ -19,19 +19,20 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 from anyio.abc import ByteStream, SocketAttribute, SocketStream
 
 from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._conn.nowait import NowaitLink
 from .._errors import HandshakeError, ProtocolError
-from .._io.backends import IOBackend, Watch
+from .._io.backends import IOBackend, Watch, asyncio_loop
 from .._proto.protocol import Chunk, CloseCode, Connection
 from .window import State, Step, WindowWatch, read_sample, set_user_timeout
 
-__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive", "open_tcp_link", "running_on_asyncio"]
+__all__ = ["AsyncioLink", "StreamLink", "CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "set_keepalive", "open_tcp_link"]
 
 log = logging.getLogger("aiordma")
 
@@ -203,14 +204,16 @@ def closing_failed(exc: BaseException) -> BrokenResourceError:
 class AsyncioLink(asyncio.BufferedProtocol, Link):
     # plain attributes here (read-only properties on the Link interface)
     transport: asyncio.BaseTransport | None = None
-    direct_writer: asyncio.Transport | None = None
+    tcp_writer: asyncio.Transport | None = None
     #: the plain TCP socket's descriptor (-1: none, or TLS)
     fd: int = -1
     paused_writing: bool = False
     lost: bool = False
-    #: set by the asyncio Transport front end (aiordma._transport): called, instead of waking
-    #: waiters, after every feed of the Core and when the connection ends; and
-    #: ``write_listener(paused)`` when the TCP transport pauses or resumes writing
+    #: readers call consumed() only while reading is paused (it resumes reading below the low mark)
+    needs_consumed: bool = False
+    #: set by the asyncio Transport front end (aiordma._transport, through set_callbacks):
+    #: called, instead of waking waiters, after every feed of the Core and when the connection
+    #: ends; and ``write_listener(paused)`` when the TCP transport pauses or resumes writing
     listener: Callable[[], None] | None = None
     write_listener: Callable[[bool], None] | None = None
 
@@ -221,8 +224,9 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     This is the hot path of every asyncio connection, kept short on purpose:
     DATA payloads land in the Core's ``rbuf`` inside the protocol's
     ``buffer_updated`` (the data sink), ``incoming()`` hands out the waiter's
-    future itself, and the asyncio front end writes to ``direct_writer`` and reads
-    ``_paused_reading`` / ``paused_writing`` directly (package-internal).
+    future itself, and readers call ``consumed()`` only while reading is paused
+    (``needs_consumed``).  It is a :class:`~aiordma._conn.nowait.NowaitLink`: asyncio's front
+    ends write through it without waiting.
     """
 
     def __init__(
@@ -234,7 +238,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._loop = loop
         self._on_made = on_made
         self.transport: asyncio.BaseTransport | None = None
-        self.direct_writer: asyncio.Transport | None = None
+        self.tcp_writer: asyncio.Transport | None = None
         # tasks in wait_incoming(): the first in _waiter (the common case, one
         # reader), any others in _waiters (never used while _waiter is None)
         self._waiter: asyncio.Future[None] | None = None
@@ -264,7 +268,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         # uvloop's transports are not subclasses of asyncio's: rely on the methods
-        self.direct_writer = cast(asyncio.Transport, transport)
+        self.tcp_writer = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
@@ -393,7 +397,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
 
     def written(self) -> None:
         """Bytes went to the transport: start looking, if the watch was idle.  Every writer of
-        ``direct_writer`` calls this (one attribute test when the watch already looks)."""
+        ``tcp_writer`` calls this (one attribute test when the watch already looks)."""
         watch = self._window
         if watch is not None and self._window_timer is None and not self.lost and watch.wrote():
             self._window_timer = self._loop.call_later(watch.tick, self._look)
@@ -439,7 +443,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def _half_close(self) -> None:
         """The peer's CLOSE came: it reads no more, and neither will we send; end our half (after
         what is queued), so that the peer's lingering close sees our FIN instead of waiting."""
-        writer = self.direct_writer
+        writer = self.tcp_writer
         if self._eof_sent or writer is None or writer.is_closing():
             return
         self._eof_sent = True
@@ -467,18 +471,18 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._waiters.clear()
 
     def _pause_reading(self) -> None:
-        if self.direct_writer is not None and not self.lost:
-            self.direct_writer.pause_reading()
-            self._paused_reading = True
+        if self.tcp_writer is not None and not self.lost:
+            self.tcp_writer.pause_reading()
+            self._paused_reading = self.needs_consumed = True
 
     def _resume_reading(self) -> None:
-        self._paused_reading = False
-        if self.direct_writer is not None and not self.lost:
-            self.direct_writer.resume_reading()
+        self._paused_reading = self.needs_consumed = False
+        if self.tcp_writer is not None and not self.lost:
+            self.tcp_writer.resume_reading()
 
     def _fail(self, exc: Exception) -> None:
         """The peer broke the protocol: tell it why and hang up."""
-        writer = self.direct_writer
+        writer = self.tcp_writer
         if writer is not None and not writer.is_closing():
             final = self.core.proto.close(CloseCode.PROTOCOL_ERROR, str(exc))
             if final:
@@ -518,7 +522,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue ``chunks`` on the transport (see :func:`write_chunks`: nothing of a caller's
         mutable buffer is kept once this returns)."""
-        writer = self.direct_writer
+        writer = self.tcp_writer
         if writer is None or writer.is_closing():
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
         if len(chunks) == 1 and type(chunks[0]) is bytes:
@@ -528,7 +532,23 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         if self._window_timer is None:
             self.written()
 
-    async def drain(self) -> None:
+    def send_nowait(self, chunks: Sequence[Chunk]) -> None:
+        self.write_nowait(chunks)
+
+    def unsent(self) -> int:
+        writer = self.tcp_writer
+        return writer.get_write_buffer_size() if writer is not None else 0
+
+    def set_callbacks(
+        self, on_data: Callable[[], None] | None, on_write_paused: Callable[[bool], None] | None
+    ) -> bool:
+        """Call ``on_data()`` after every feed of the Core (and when the connection ends) instead
+        of waking waiters, and ``on_write_paused(paused)`` as the TCP transport pauses or resumes."""
+        self.listener, self.write_listener = on_data, on_write_paused
+        return True
+
+    async def drain(self, low: int = 0) -> None:
+        """Wait while the TCP transport has paused writing (its own low mark: ``low`` is not used)."""
         if not self.paused_writing or self.lost:
             return
         fut = self._loop.create_future()
@@ -556,7 +576,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         A slow reader is waited for as long as its host is alive (the window watch judges).
         :meth:`wait_closed` waits for it.  Without a CLOSE (the peer closed first, or the
         connection failed) the transport just closes (it flushes first)."""
-        writer = self.direct_writer
+        writer = self.tcp_writer
         if writer is not None and not writer.is_closing():
             if final:
                 writer.write(final)
@@ -586,8 +606,8 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
         self._wake()
 
     def abort(self) -> None:
-        if self.direct_writer is not None:
-            self.direct_writer.abort()
+        if self.tcp_writer is not None:
+            self.tcp_writer.abort()
         self._wake()
 
     async def wait_closed(self) -> None:
@@ -606,7 +626,7 @@ class AsyncioLink(asyncio.BufferedProtocol, Link):
                                            linger.tick if linger is not None else CLOSE_TIMEOUT)  # fmt: skip
                     break
                 except asyncio.TimeoutError:
-                    writer = self.direct_writer
+                    writer = self.tcp_writer
                     if linger is None or writer is None:
                         self.abort()
                         await self._closed_future
@@ -1101,14 +1121,6 @@ class StreamLink(Link):
         return self.stream.extra_attributes
 
 
-def running_on_asyncio() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 async def open_tcp_link(
     host: str, port: int, make_protocol: Callable[[float], Connection], *, ssl: Any = None,
     server_hostname: str | None = None, keepalive: float | None = None,
@@ -1117,8 +1129,8 @@ async def open_tcp_link(
     :class:`AsyncioLink`; trio: a :class:`StreamLink` on anyio's socket) with a Core on the
     protocol object ``make_protocol(now)`` makes, and ``keepalive`` set (:func:`set_keepalive`)."""
     link: Link
-    if running_on_asyncio():
-        loop = asyncio.get_running_loop()
+    loop = asyncio_loop()
+    if loop is not None:
         proto = make_protocol(loop.time())
         _, link = await loop.create_connection(
             lambda: AsyncioLink(proto, loop), host, port, ssl=ssl,
@@ -1136,3 +1148,9 @@ async def open_tcp_link(
         link = StreamLink(stream, make_protocol(anyio.current_time()))
     set_keepalive(link, keepalive)
     return link
+
+
+if TYPE_CHECKING:  # mypy holds the links to the interfaces they serve
+
+    def _nowait(link: AsyncioLink) -> NowaitLink:
+        return link

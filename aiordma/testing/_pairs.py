@@ -25,6 +25,7 @@ from .._tcp.links import StreamLink
 from .._handshake.negotiate import client_handshake, server_handshake
 from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from .._rdma.config import RdmaBackend
+from .._rdma.discovery import rdma_address
 from ._faults import Fault, FaultyChannel, FaultyStream, _Injector
 from ._sim import simulated_backend
 
@@ -130,20 +131,6 @@ async def _memory_cores(mode: Mode, max_message_size: int,
         tg.start_soon(client_handshake, client, "tcp")
         tg.start_soon(server_handshake, server, "tcp")
     return client, server, a, b
-
-
-def rdma_address() -> str | None:
-    """A local IPv4 address that an RDMA device serves (RoCEv2 GID), or None."""
-    from .._rdma.discovery import list_devices
-
-    for device in list_devices(query_verbs=False):
-        for port in device.ports:
-            if port.state != "ACTIVE":
-                continue
-            for entry in port.gids:
-                if entry.gid_type == "RoCEv2" and entry.gid.ipv4_mapped is not None:
-                    return str(entry.gid.ipv4_mapped)
-    return None
 
 
 def _host_for(kind: str) -> str:

@@ -26,7 +26,7 @@ It follows anyio's pytest plugin: mark your tests ``@pytest.mark.anyio`` (and pa
     released (on ``"rdma"``, every queue pair of the device) -- a test that leaks one fails in
     its teardown, naming what is left.
 
-``checked_pair(kind, messages=..., faults=..., delays=...)``
+``checked_pair(kind, messages=..., faults=..., delays=..., config=..., max_message_size=...)``
     The same pair as an async context manager, checked the same way when it ends: for property
     tests, where every hypothesis example needs a pair of its own.
 
@@ -45,6 +45,7 @@ import pytest
 
 if TYPE_CHECKING:
     from .._api import Channel, Stream
+    from .._rdma.config import RdmaConfig
     from ._faults import Fault
 
 __all__ = ["aiordma_kind", "aiordma_stream_pair", "aiordma_channel_pair", "checked_pair", "KINDS"]
@@ -93,14 +94,19 @@ def aiordma_kind(request: pytest.FixtureRequest) -> str:
 
 @asynccontextmanager
 async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fault] = (),
-                       delays: Sequence[int] = ()) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
+                       delays: Sequence[int] = (), config: RdmaConfig | None = None,
+                       max_message_size: int | None = None) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
     """``async with checked_pair(kind, faults=schedule) as (client, server):`` -- the fixtures'
     pair (a stream pair, or a channel pair with ``messages=True``) as a context manager, checked
     the same way when it ends: for a property test, where each hypothesis example needs a pair
     of its own (a fixture would be shared by every example of the test).  ``faults`` and
-    ``delays``: see :func:`aiordma.testing.stream_pair`."""
+    ``delays``: see :func:`aiordma.testing.stream_pair`.  ``config`` (an
+    :class:`aiordma.RdmaConfig`) sets both ends' RDMA settings on ``"sim"`` and ``"rdma"`` (the
+    data path, the poll mode, the sizes); ``max_message_size`` bounds a channel pair's messages."""
     import anyio
 
+    from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE
+    from .._rdma.config import RdmaBackend
     from ._pairs import channel_pair, stream_pair
     from ._sim import SimFabric, simulated_backend
 
@@ -117,9 +123,17 @@ async def checked_pair(kind: str, *, messages: bool = False, faults: Sequence[Fa
     if kind == "sim":
         fabric = SimFabric()
         fabric.add_device("sim0", "127.0.0.1")
-        backend = simulated_backend(fabric=fabric)
-    make = channel_pair if messages else stream_pair
-    async with make(kind, rdma_backend=backend, faults=faults, delays=delays) as pair:  # type: ignore[arg-type]
+        backend = simulated_backend(config, fabric=fabric)
+    elif kind == "rdma" and config is not None:
+        backend = RdmaBackend(config)
+    elif config is not None:
+        raise ValueError(f"an RdmaConfig applies to the sim and rdma kinds, not to {kind!r}")
+    if max_message_size is not None and not messages:
+        raise ValueError("max_message_size applies to channel pairs (messages=True)")
+    pairing = (channel_pair(kind, rdma_backend=backend, faults=faults, delays=delays,  # type: ignore[arg-type]
+                            max_message_size=max_message_size or DEFAULT_MAX_MESSAGE_SIZE)
+               if messages else stream_pair(kind, rdma_backend=backend, faults=faults, delays=delays))  # type: ignore[arg-type]  # fmt: skip
+    async with pairing as pair:
         try:
             yield pair
         finally:

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.rdma
 if not v.native_available()[0]:
     pytest.skip(f"verbs unavailable: {v.native_available()[1]}", allow_module_level=True)
 
-# the fixtures dev (the device under test) and no_leaks (autouse) are test_native's
-from .test_native import Dev, Loop, dev, make_loop, no_leaks, wait_wcs  # noqa: E402,F401
+# the fixtures dev (the device under test) and no_leaks (autouse), shared with test_native
+from ._native import Dev, Loop, dev, make_loop, no_leaks, wait_wcs  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -1,0 +1,40 @@
+"""The suite's own house rules: shared helpers and fixtures live in ``tests/_*.py`` (and
+``tests/rdma/_*.py``), never in a test module that others import -- a test module is free to
+change, and importing one runs its module-level code (marks, skips) in the importer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _imported_test_modules(path: Path) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names = [module] if module else [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if any(part.startswith("test_") for part in name.split(".")):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    offenders = [
+        f"{path.relative_to(TESTS)}:{line} imports {name}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line, name in _imported_test_modules(path)
+    ]
+    assert not offenders, "move what is shared to a tests/_*.py module:\n" + "\n".join(offenders)
+
+
+def test_the_check_finds_such_an_import(tmp_path: Path) -> None:
+    module = tmp_path / "test_x.py"
+    module.write_text("from .test_conformance import KINDS\nimport tests.test_io\nfrom ._kinds import KINDS\n")
+    assert [name for _, name in _imported_test_modules(module)] == ["test_conformance", "tests.test_io"]
