@@ -12,7 +12,7 @@
 client and server in two processes, and in one.  Then the targets of the
 issue, each with the ratio that decides it.  Run it in the guest::
 
-    python -m aiordma.testing.vm --timeout 3000 -- python benchmarks/fastpath_bench.py [--plot docs/perf-guest.png]
+    python -m tools.vm --timeout 3000 -- python benchmarks/fastpath_bench.py [--plot docs/perf-guest.png]
 
 Absolute figures move 1.5-2x between boots: only the ratios of one run mean something.
 """
@@ -248,7 +248,7 @@ def main() -> int:
 
     host = rdma_address()
     if host is None:
-        print("fastpath_bench: no RDMA device here; run it in the guest (python -m aiordma.testing.vm -- ...)",
+        print("fastpath_bench: no RDMA device here; run it in the guest (python -m tools.vm -- ...)",
               file=sys.stderr)  # fmt: skip
         return 2
     everything: dict[str, Any] = {}

@@ -9,7 +9,7 @@ contenders; the median of ``--rounds`` is printed with the ratio.  A benchmark: 
 asserts nothing.
 
     python benchmarks/protocol_bench.py                 # host: aiordma-TCP against asyncio TCP
-    python -m aiordma.testing.vm -- python benchmarks/protocol_bench.py --transport rdma --iters 300
+    python -m tools.vm -- python benchmarks/protocol_bench.py --transport rdma --iters 300
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ client process on the same device (rxe loopback in the Soft-RoCE guest) and
 prints a table of the figures parsed from their output, then the raw result
 lines.  Meant to run inside the guest::
 
-    python -m aiordma.testing.vm -- python benchmarks/rdma_baseline.py
+    python -m tools.vm -- python benchmarks/rdma_baseline.py
 
 Under qemu TCG the absolute figures say little; compare only figures taken in
 the same run (or at least on the same machine and in the same kind of guest).
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"rdma_baseline: no RDMA device {args.device!r} here (devices: {', '.join(present) or 'none'}).\n"
             "Run it in the Soft-RoCE guest:\n"
-            "  python -m aiordma.testing.vm -- python benchmarks/rdma_baseline.py",
+            "  python -m tools.vm -- python benchmarks/rdma_baseline.py",
             file=sys.stderr,
         )
         return 2

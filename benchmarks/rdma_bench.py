@@ -2,7 +2,7 @@
 
 Run it through the VM runner (it refuses to run without an RDMA device)::
 
-    python -m aiordma.testing.vm -- python benchmarks/rdma_bench.py
+    python -m tools.vm -- python benchmarks/rdma_bench.py
 
 It measures on the guest's rxe address, with client and server in one process
 (one event loop) and in two processes (``--processes 2``: the server runs in a

@@ -13,7 +13,7 @@ then the 64 B one-sided read and write latency, ``ib_write_bw`` / ``ib_read_bw``
 Client and server run in two processes (``--processes 2``, the default) and/or one.  Prints
 ratios; a benchmark, not a test: it passes or fails nothing.  In the Soft-RoCE guest::
 
-    python -m aiordma.testing.vm --timeout 3000 -- python benchmarks/zerocopy_bench.py --json docs/zerocopy-guest.json
+    python -m tools.vm --timeout 3000 -- python benchmarks/zerocopy_bench.py --json docs/zerocopy-guest.json
 """
 
 from __future__ import annotations

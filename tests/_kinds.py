@@ -19,7 +19,7 @@ from anyio import EndOfStream
 
 import aiordma
 from aiordma import RdmaConfig
-from aiordma.testing._remote_end import remote_pair
+from tools.remote_end import remote_pair
 from aiordma.testing.plugin import checked_pair
 
 from ._leaks import no_fd_leak

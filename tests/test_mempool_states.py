@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma._errors import RDMAError
-from aiordma.testing._mempool import (
+from ._mempool import (
     MemlockLimitError,
     MemoryPool,
     PoolExhaustedError,

@@ -38,3 +38,18 @@ def test_the_check_finds_such_an_import(tmp_path: Path) -> None:
     module = tmp_path / "test_x.py"
     module.write_text("from .test_conformance import KINDS\nimport tests.test_io\nfrom ._kinds import KINDS\n")
     assert [name for _, name in _imported_test_modules(module)] == ["test_conformance", "tests.test_io"]
+
+
+def test_the_package_does_not_reach_into_the_checkout() -> None:
+    """The installed package is lean: the test bed (tools/) and the suite's helpers (tests/) stay
+    in the checkout, and nothing in aiordma/ imports them."""
+    package = TESTS.parent / "aiordma"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.relative_to(package.parent)}:{node.lineno} imports {name}"
+                          for name in names if name.split(".")[0] in ("tools", "tests")]
+    assert not offenders, "\n".join(offenders)
+    assert not (package / "testing" / "vm.py").exists()

@@ -1,7 +1,7 @@
-"""Across two hosts: host b's end of the two-guest bed, against ``aiordma.testing.peer`` on host a.
+"""Across two hosts: host b's end of the two-guest bed, against ``tools.peer`` on host a.
 
-Run by the two-host stage (``python -m aiordma.testing.vm --hosts 2 -- python -m
-aiordma.testing.peer -- python -m pytest -m twohost tests/test_twohost.py``): real RoCEv2 packets
+Run by the two-host stage (``python -m tools.vm --hosts 2 -- python -m
+tools.peer -- python -m pytest -m twohost tests/test_twohost.py``): real RoCEv2 packets
 between two kernels' rxe devices over a qemu wire, with the path MTU at rxe's largest (4096).
 Skipped without ``AIORDMA_PEER_ADDRESS`` (set only in that bed).
 """
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma.testing.peer import CHANNEL_PORT, MAX_MESSAGE, STREAM_PORT, VICTIM_PORT, pattern
+from tools.peer import CHANNEL_PORT, MAX_MESSAGE, STREAM_PORT, VICTIM_PORT, pattern
 
 PEER = os.environ.get("AIORDMA_PEER_ADDRESS", "")
 #: "rdma" in the bed; the host's check of this suite (test_twohost_suite_runs_on_the_host) sets tcp
@@ -385,7 +385,7 @@ async def wire(op: str, **args: Any) -> dict[str, Any]:
     """Ask the bed's host for a fault (in a thread: the tests' traffic goes on meanwhile)."""
     import functools
 
-    from aiordma.testing._wire import request
+    from tools.wire import request
 
     return await anyio.to_thread.run_sync(functools.partial(request, op, **args))
 
@@ -398,7 +398,7 @@ def live() -> dict[str, int]:
 
 def netem_here(spec: str) -> None:
     """``tc netem`` on this guest's wire NIC; '' puts the wire's usual qdisc back."""
-    from aiordma.testing._guest import wire_nic, wire_qdisc_argv
+    from tools._guest import wire_nic, wire_qdisc_argv
 
     subprocess.run(wire_qdisc_argv(wire_nic(), spec), check=True, capture_output=True, timeout=60)
 
@@ -739,10 +739,10 @@ async def test_zz_the_peer_ends() -> None:
 
 @pytest.mark.skipif(bool(PEER), reason="(the host's check of this suite; in the bed the suite itself runs)")
 def test_twohost_suite_runs_on_the_host() -> None:
-    """This file against ``aiordma.testing.peer`` over TCP on 127.0.0.1: the suite and the peer
+    """This file against ``tools.peer`` over TCP on 127.0.0.1: the suite and the peer
     service agree (what the bed runs over RDMA is not first tried there)."""
     env = {**os.environ, "AIORDMA_PEER_ADDRESS": "127.0.0.1", "AIORDMA_TWOHOST_TRANSPORT": "tcp"}
-    peer = subprocess.Popen([sys.executable, "-m", "aiordma.testing.peer", "--host", "127.0.0.1", "--transport", "tcp",
+    peer = subprocess.Popen([sys.executable, "-m", "tools.peer", "--host", "127.0.0.1", "--transport", "tcp",
                              "--timeout", "120"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
         assert peer.stdout is not None and peer.stdout.readline().startswith("peer: serving")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from aiordma.testing._wire import WireRelay, request
+from tools.wire import WireRelay, request
 
 
 def nic(relay: WireRelay, side: str) -> socket.socket:
@@ -152,7 +152,7 @@ def test_closing_the_relay_stops_its_threads(tmp_path: Path) -> None:
 def test_the_wire_nic_gets_a_qdisc_without_aqm_drops_unless_netem_is_asked_for() -> None:
     """rxe's READ responses are a standing queue: fq_codel (the default) would drop from it, and
     NETEM with no spec must put that lossless qdisc back, not the default (docs/testing.md)."""
-    from aiordma.testing._guest import WIRE_QDISC, wire_qdisc_argv
+    from tools._guest import WIRE_QDISC, wire_qdisc_argv
 
     assert wire_qdisc_argv("eth0") == ["tc", "qdisc", "replace", "dev", "eth0", "root", *WIRE_QDISC]
     assert wire_qdisc_argv("eth0", " ") == wire_qdisc_argv("eth0")

@@ -16,7 +16,9 @@
   that the pairs apply at the same step on every run.
 * :mod:`aiordma.testing.plugin` -- a pytest plugin (``-p aiordma.testing.plugin``): pair
   fixtures of every kind this host can make, checked for leaks after each test.
-* :mod:`aiordma.testing.vm` -- boots the Soft-RoCE guest and runs a command in it.
+
+The Soft-RoCE test bed (``python -m tools.vm``) and the far end of the two-host tests live in the
+checkout's ``tools/``, outside the installed package.
 """
 
 from ._chunking import Rechunked

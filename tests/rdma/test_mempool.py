@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from aiordma._rdma import verbs as v
-from aiordma.testing._mempool import MemoryPool, Slot, SlotState, SlotStateError, pd_registrar
+from .._mempool import MemoryPool, Slot, SlotState, SlotStateError, pd_registrar
 
 pytestmark = pytest.mark.rdma
 

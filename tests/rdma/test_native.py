@@ -1,6 +1,6 @@
 """The native verbs layer (aiordma._verbs over aiordma._verbs_cffi) on a real device.
 
-Runs in the Soft-RoCE guest (``python -m aiordma.testing.vm -- python -m
+Runs in the Soft-RoCE guest (``python -m tools.vm -- python -m
 pytest -m rdma tests/rdma``) or on a host with an RNIC.  Two of our own RC QPs
 talk through the device's loopback; a pyverbs QP serves as an independent
 oracle.  Every test ends with all verbs objects closed (live counters at 0).

@@ -1,6 +1,6 @@
 """Smoke tests of the RDMA test environment itself, with pyverbs only.
 
-They check that the Soft-RoCE guest (``python -m aiordma.testing.vm``) gives
+They check that the Soft-RoCE guest (``python -m tools.vm``) gives
 the test suite what it promises -- an rxe device, a RoCEv2 GID, working RC
 traffic -- so that a failure of aiordma's own RDMA tests can be told apart
 from a broken environment.  They also run unchanged on a host with a real

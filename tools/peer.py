@@ -1,6 +1,6 @@
 """The far end of the cross-host tests: a small aiordma service for host a of the two-guest bed.
 
-    python -m aiordma.testing.peer [--host ADDR] [--timeout S] [--victim PORT]
+    python -m tools.peer [--host ADDR] [--timeout S] [--victim PORT]
 
 Listens on ``ADDR`` (default ``$AIORDMA_HOST_ADDRESS``) with ``transport="rdma"`` (strict: a
 cross-host test that silently ran on TCP would prove nothing; ``--transport tcp`` only for the
@@ -25,13 +25,13 @@ host's check of the suite itself):
     ``STATUS <name>`` -> that record as JSON (``error``: the exception's type or null,
     ``idle``: seconds from the last message received to the end), waiting up to 20 s for it;
   * ``NETEM <spec>`` -> ``tc netem`` on this host's wire NIC (``NETEM`` alone: back to the
-    wire's usual qdisc, ``aiordma.testing._guest.WIRE_QDISC``);
+    wire's usual qdisc, ``tools._guest.WIRE_QDISC``);
   * ``VICTIM`` -> starts a second service process (channels on port 7102) and answers once it
     listens; ``KILL`` -> SIGKILLs it (the process-crash test) and answers ``killed``;
   * ``QUIT`` -> the service ends (so does ``--timeout``, 1800 s by default: bounded);
 * port 7101, byte streams: echoes everything until EOF;
 * port 7103: the far ends of the conformance suite's ``twohost`` pairs
-  (:mod:`aiordma.testing._remote_end`).
+  (:mod:`tools.remote_end`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import time
 import anyio
 
 import aiordma
-from aiordma.testing._remote_end import serve_remote_ends
+from tools.remote_end import serve_remote_ends
 
 CHANNEL_PORT = 7100
 STREAM_PORT = 7101
@@ -173,7 +173,7 @@ async def _command(svc: _Service, rec: _Record, ch: aiordma.Channel, verb: bytes
         if not _NETEM.match(spec):
             await ch.send(b"error: bad netem spec")
         else:
-            from aiordma.testing._guest import wire_nic, wire_qdisc_argv
+            from tools._guest import wire_nic, wire_qdisc_argv
 
             nic = wire_nic()
             answer = await _run(wire_qdisc_argv(nic, spec))  # (no spec: the wire's usual qdisc)
@@ -200,7 +200,7 @@ async def _start_victim(svc: _Service) -> bytes:
     if svc.victim is not None:
         svc.victim.kill()
         await anyio.to_thread.run_sync(svc.victim.wait)
-    proc = subprocess.Popen([sys.executable, "-m", "aiordma.testing.peer", "--host", svc.host, "--transport",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.peer", "--host", svc.host, "--transport",
                              svc.transport, "--victim", str(VICTIM_PORT), "--timeout", "600"],
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None
@@ -274,7 +274,7 @@ async def serve(host: str, timeout: float, transport: str = "rdma", victim: int 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m aiordma.testing.peer", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.peer", description=__doc__.splitlines()[0])
     p.add_argument("--host", default=os.environ.get("AIORDMA_HOST_ADDRESS", "198.18.0.1"))
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--transport", default="rdma", help="rdma (the bed), or tcp (the suite's own host check)")

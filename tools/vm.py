@@ -8,12 +8,12 @@ address ``198.18.0.1`` (GID index 1 = ``::ffff:198.18.0.1``, RoCEv2).
 
 Command line::
 
-    python -m aiordma.testing.vm [options] -- CMD [ARG...]
-    python -m aiordma.testing.vm -- python -m pytest -m rdma tests
+    python -m tools.vm [options] -- CMD [ARG...]
+    python -m tools.vm -- python -m pytest -m rdma tests
 
 Python::
 
-    from aiordma.testing.vm import run_in_vm
+    from tools.vm import run_in_vm
     result = run_in_vm(["python", "-m", "pytest", "-m", "rdma", "tests"], timeout=1200)
     result.returncode
 
@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Final
 
-from aiordma.testing import _guest
+from tools import _guest
 
 __all__ = [
     "DEFAULT_BOOT_TIMEOUT",
@@ -399,7 +399,7 @@ def ensure_dependencies(*, install: bool = True) -> VMTools:
 
 def project_dir() -> Path:
     """The checkout this package lives in (if it is one), else the current directory."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     return root if (root / "pyproject.toml").is_file() else Path.cwd().resolve()
 
 
@@ -806,7 +806,7 @@ def run_two_hosts(
     """Boot two Soft-RoCE guests joined by one virtual wire and run ``cmd_a`` in the first
     (``198.18.0.1``) and ``cmd_b`` in the second (``198.18.0.2``), at the same time.
 
-    The wire is a relay on the host (:class:`aiordma.testing._wire.WireRelay`) between two
+    The wire is a relay on the host (:class:`tools.wire.WireRelay`) between two
     qemu stream netdevs on unix sockets in a scratch directory: no address on the host, RoCEv2
     packets between two kernels, and faults on request from the guests (an outage; a guest
     killed, and booted again with its command).  Each guest has ``rxe0`` on its NIC (MTU
@@ -819,7 +819,7 @@ def run_two_hosts(
     0).  Returns both results (a, b); a guest killed on request and not booted again gets status
     0 too.  Raises the first guest's error if one could not
     run its command."""
-    from aiordma.testing import _wire
+    from tools import wire as _wire
 
     scratch = Path(tempfile.mkdtemp(prefix="aiordma-wire-"))
     a, b = HOST_ADDRESSES
@@ -914,7 +914,7 @@ def run_two_hosts(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m aiordma.testing.vm",
+        prog="python -m tools.vm",
         usage="%(prog)s [options] -- CMD [ARG...]",
         description=(
             "Run CMD inside a Soft-RoCE (rdma_rxe) qemu guest booted with virtme-ng. "

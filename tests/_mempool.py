@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
-from .._errors import AiordmaError, MemlockLimitError, RDMAError
-from .._conn.memory import _fmt_bytes, _getrlimit, memlock_advice
+from aiordma._errors import AiordmaError, MemlockLimitError, RDMAError
+from aiordma._conn.memory import _fmt_bytes, _getrlimit, memlock_advice
 
 __all__ = [
     "MemlockLimitError",
@@ -121,9 +121,9 @@ Registrar = Callable[[int], Region]
 
 def pd_registrar(pd: Any, access: int | None = None) -> Registrar:
     """A registrar that allocates and registers regions on a verbs ProtectionDomain."""
-    from .._rdma import verbs as _verbs
+    from aiordma._rdma import verbs as _verbs
 
-    from .._rdma.constants import DEFAULT_MR_ACCESS
+    from aiordma._rdma.constants import DEFAULT_MR_ACCESS
 
     acc = DEFAULT_MR_ACCESS if access is None else access
 

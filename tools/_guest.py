@@ -1,4 +1,4 @@
-"""Guest side of the Soft-RoCE VM runner (see :mod:`aiordma.testing.vm`).
+"""Guest side of the Soft-RoCE VM runner (see :mod:`tools.vm`).
 
 This file runs *inside* the virtme-ng guest as PID 1's script, started as
 ``python -I -B _guest.py SPEC.json``.  It must only use the standard library
