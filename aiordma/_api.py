@@ -17,7 +17,6 @@ import logging
 import ssl as _ssl
 from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -31,9 +30,10 @@ from ._conn.memory import RegisteredMemory
 from ._proto.onesided import RemoteBuffer
 from ._tcp.accept import Acceptor
 from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
-from ._handshake.limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
+from ._handshake.limits import DEFAULT_MAX_HANDSHAKES
 from ._tcp.links import DEFAULT_KEEPALIVE
-from ._handshake.negotiate import Options, accept_handshake, connect_with, local_offer, make_options
+from ._handshake.negotiate import Options, accept_handshake, open_client
+from ._handshake.settings import ClientSettings, ListenerSettings, listen
 from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Mode
 from ._rdma.config import RdmaBackend
 from ._rdma.device import DeviceHold
@@ -263,12 +263,8 @@ async def connect(
     ``rdma_backend`` (an :class:`aiordma.RdmaBackend`) sets the RDMA sizes and
     timeouts (``RdmaBackend(RdmaConfig(...))``); tests inject failing ones.
     """
-    core = await connect_with(
-        host, port, Mode.STREAM, transport, ssl=ssl, server_hostname=server_hostname,
-        max_message_size=DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout=handshake_timeout, backend=rdma_backend,
-        auth=auth, keepalive=keepalive,
-    )  # fmt: skip
-    return Stream(core)
+    settings = ClientSettings.of(locals())
+    return Stream(await open_client(host, port, Mode.STREAM, settings.options()))
 
 
 async def connect_channel(
@@ -289,12 +285,8 @@ async def connect_channel(
     ``max_message_size`` bounds the messages this side accepts (the peer's own
     limit bounds what we may send).  Other arguments as for :func:`connect`.
     """
-    core = await connect_with(
-        host, port, Mode.MESSAGES, transport, ssl=ssl, server_hostname=server_hostname,
-        max_message_size=max_message_size, handshake_timeout=handshake_timeout, backend=rdma_backend,
-        auth=auth, keepalive=keepalive,
-    )  # fmt: skip
-    return Channel(core)
+    settings = ClientSettings.of(locals())
+    return Channel(await open_client(host, port, Mode.MESSAGES, settings.options()))
 
 
 # -- listeners -------------------------------------------------------------------
@@ -392,29 +384,6 @@ class ChannelListener(_BaseListener[Channel], Listener[Channel]):
         return self._listener_attributes()
 
 
-async def _make_acceptor(host: str | None, port: int, mode: Mode, opts: Options, admission: AdmissionOptions) -> Acceptor:
-    local_offer(opts.transport, "server", tls=opts.ssl is not None, backend=opts.backend)  # strict: fail now
-    return await Acceptor.create(host, port, mode, opts, backlog=admission.backlog,
-                                 max_handshakes=admission.max_handshakes, per_address=admission.per_address,
-                                 hello_timeout=admission.hello_timeout)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class AdmissionOptions:
-    """A listener's admission settings (see :mod:`aiordma._proto.admission`)."""
-
-    backlog: int = DEFAULT_BACKLOG
-    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
-    per_address: int | None = None
-    hello_timeout: float = DEFAULT_HELLO_TIMEOUT
-
-    def __post_init__(self) -> None:
-        if self.backlog < 1 or self.max_handshakes < 1 or (self.per_address is not None and self.per_address < 1):
-            raise ValueError("backlog, max_handshakes and max_handshakes_per_address must be at least 1")
-        if not self.hello_timeout > 0:
-            raise ValueError("hello_timeout must be a positive number of seconds")
-
-
 async def create_listener(
     host: str | None,
     port: int,
@@ -448,15 +417,8 @@ async def create_listener(
     ``max_pinned_bytes`` bound what RDMA clients may pin (defaults: half of the process's pinned
     limit, RLIMIT_MEMLOCK); beyond them a client gets TCP, with the limit in the reason.
     """
-    opts = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
-    )
-    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
-    return StreamListener(await _make_acceptor(host, port, Mode.STREAM, opts, admission), opts)
+    settings = ListenerSettings.of(locals())
+    return StreamListener(*await listen(host, port, Mode.STREAM, settings))
 
 
 async def create_channel_listener(
@@ -478,12 +440,5 @@ async def create_channel_listener(
     max_pinned_bytes: int | None = None,
 ) -> ChannelListener:
     """Listen for aiordma message channels; see :func:`create_listener`."""
-    opts = make_options(
-        transport, ssl, None, max_message_size, handshake_timeout, server=True,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
-    )
-    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
-    return ChannelListener(await _make_acceptor(host, port, Mode.MESSAGES, opts, admission), opts)
+    settings = ListenerSettings.of(locals())
+    return ChannelListener(*await listen(host, port, Mode.MESSAGES, settings))

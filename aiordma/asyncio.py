@@ -29,18 +29,18 @@ import anyio
 
 from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
 from ._tcp.accept import Acceptor
-from ._api import AdmissionOptions, _make_acceptor
-from ._handshake.negotiate import Options, accept_handshake, make_options, open_client as _open
+from ._handshake.negotiate import Options, accept_handshake, open_client as _open
+from ._handshake.settings import ClientSettings, ListenerSettings, listen
 from ._conn.core import Core
 from ._conn.nowait import Nowait
-from ._handshake.limits import DEFAULT_MAX_HANDSHAKES, ListenerBudget
+from ._handshake.limits import DEFAULT_MAX_HANDSHAKES
 from ._tcp.links import DEFAULT_KEEPALIVE
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
 from ._transport import extra_info
 from ._transport import reset_error as _reset
 from ._rdma.device import DeviceHold
-from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Half, Mode
+from ._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, Half, Mode
 
 __all__ = [
     "StreamReader",
@@ -295,8 +295,9 @@ def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
     return reader, StreamWriter(core, reader)
 
 
-async def _open_stream(host: str, port: int, opts: Options) -> Core:
+async def _open_stream(host: str, port: int, settings: ClientSettings) -> Core:
     """Connect a byte stream; a handshake the link broke is asyncio's ``ConnectionResetError``."""
+    opts = settings.options()
     try:
         return await _open(host, port, Mode.STREAM, opts)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
@@ -321,14 +322,8 @@ async def open_connection(
     Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
     ``readuntil``/``readline`` limit as in asyncio.
     """
-    opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-    )
-    core = await _open_stream(host, port, opts)
-    return _pair(core, limit)
+    settings = ClientSettings.of(locals())
+    return _pair(await _open_stream(host, port, settings), limit)
 
 
 ClientConnectedCallback = Callable[[StreamReader, StreamWriter], Awaitable[None] | None]
@@ -456,14 +451,7 @@ async def start_server(
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
     runs (in a task) for each client once its handshake completed."""
-    opts: Options = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
-    )
-    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
+    settings = ListenerSettings.of(locals())
     loop = asyncio.get_running_loop()
 
     async def serve_one(core: Core) -> None:
@@ -481,23 +469,22 @@ async def start_server(
             )
             writer.close()
 
-    return await _listen(opts, host, port, serve_one, admission=admission, start_serving=start_serving)
+    return await _listen(settings, host, port, serve_one, start_serving=start_serving)
 
 
 async def _listen(
-    opts: Options,
+    settings: ListenerSettings,
     host: str | None,
     port: int | None,
     serve_one: Callable[[Core], Coroutine[Any, Any, None]],
     *,
-    admission: AdmissionOptions,
     start_serving: bool,
     transports: set[Transport] | None = None,
 ) -> Server:
     """A listening :class:`Server` whose admitted connections each get a task: the handshake,
     then ``serve_one(core)`` (the front end's part); a task's failure goes to the loop's
     exception handler."""
-    acceptor = await _make_acceptor(host, port or 0, Mode.STREAM, opts, admission)
+    acceptor, opts = await listen(host, port or 0, Mode.STREAM, settings)
     server = Server(acceptor, serve_one, opts, transports)
     if start_serving:
         await server.start_serving()
@@ -528,13 +515,8 @@ async def create_connection(
     Raises ``ConnectionRefusedError``/``OSError`` as asyncio does when TCP cannot connect,
     ``ConnectionResetError`` when the handshake failed, :class:`aiordma.RDMAUnavailableError`
     for ``transport="rdma"`` without a usable device."""
-    opts = make_options(
-        transport, ssl, server_hostname, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=False,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-    )
-    core = await _open_stream(host, port, opts)
+    settings = ClientSettings.of(locals())
+    core = await _open_stream(host, port, settings)
     protocol = protocol_factory()
     tr = Transport(core, protocol, asyncio.get_running_loop())
     try:
@@ -569,14 +551,7 @@ async def create_server(
     :class:`Server` (an ``asyncio.AbstractServer``: ``async with``, ``serve_forever``, ``close``,
     ``wait_closed``, ``sockets``; ``close_clients``/``abort_clients`` close the transports).
     A client whose handshake fails never reaches the factory."""
-    opts: Options = make_options(
-        transport, ssl, None, DEFAULT_MAX_MESSAGE_SIZE, handshake_timeout, server=True,
-        backend=rdma_backend,
-        auth=auth,
-        keepalive=keepalive,
-        budget=ListenerBudget(max_rdma_connections, max_pinned_bytes),
-    )
-    admission = AdmissionOptions(backlog, max_handshakes, max_handshakes_per_address, hello_timeout)
+    settings = ListenerSettings.of(locals())
     loop = asyncio.get_running_loop()
     transports: set[Transport] = set()
 
@@ -595,5 +570,4 @@ async def create_server(
             loop.call_exception_handler({"message": "connection_made() failed", "exception": exc, "transport": tr})
             tr.abort()
 
-    return await _listen(opts, host, port, handshake, admission=admission, start_serving=start_serving,
-                         transports=transports)  # fmt: skip
+    return await _listen(settings, host, port, handshake, start_serving=start_serving, transports=transports)

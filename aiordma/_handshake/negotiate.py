@@ -52,7 +52,6 @@ __all__ = [
     "Options",
     "make_options",
     "open_client",
-    "connect_with",
     "accept_handshake",
     "TransportChoice",
     "resolve_transport",
@@ -422,14 +421,3 @@ async def open_client(host: str, port: int, mode: Mode, opts: Options) -> Core:
         await _discard(core)
         raise
     return core
-
-
-async def connect_with(host: str, port: int, mode: Mode, transport: str | None, *, ssl: _ssl.SSLContext | bool | None,
-                       server_hostname: str | None, max_message_size: int, handshake_timeout: float,
-                       backend: RdmaBackend | None, auth: str | bytes | bool | None,
-                       keepalive: float | None) -> Core:  # fmt: skip
-    """``aiordma.connect``'s and ``connect_channel``'s work: the options checked, then
-    :func:`open_client`."""
-    opts = make_options(transport, ssl, server_hostname, max_message_size, handshake_timeout, server=False,
-                        backend=backend, auth=auth, keepalive=keepalive)  # fmt: skip
-    return await open_client(host, port, mode, opts)
