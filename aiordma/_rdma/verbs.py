@@ -47,10 +47,10 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final
 
 from .._errors import PostError, RDMAError, RDMAUnavailableError
+from .lifetime import Resource
 from .constants import (
     DEFAULT_MR_ACCESS,
     DEFAULT_QP_ACCESS,
@@ -253,61 +253,14 @@ def _mtu_enum(path_mtu: int) -> int:
 # --------------------------------------------------------------------------
 
 
-class _Resource:
-    """Common lifetime bookkeeping: parents refuse to close before children."""
-
-    _kind: str = ""  # key in live_objects()
-    _label: str = "object"
+class _Resource(Resource):
+    """A native verbs object (the rule: :mod:`aiordma._rdma.lifetime`), counted in :func:`live_objects`."""
 
     def __init__(self, parents: Sequence[_Resource]) -> None:
-        self._closed = False
-        self._children: set[_Resource] = set()
-        self._parents = tuple(parents)
-        for p in self._parents:
-            p._ensure_open()
-        for p in self._parents:
-            p._children.add(self)
+        super().__init__(parents)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _ensure_open(self, call: str = "") -> None:
-        if self._closed:
-            raise RDMAError(_errno.EBADF, call or type(self).__name__, f"the {self._label} is closed")
-
-    def _check_children(self, call: str) -> None:
-        if self._children:
-            kinds: dict[str, int] = {}
-            for c in self._children:
-                kinds[c._label] = kinds.get(c._label, 0) + 1
-            what = ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in sorted(kinds.items()))
-            raise RDMAError(
-                _errno.EBUSY,
-                call,
-                f"{what} still open; close them first "
-                "(order: QP, CQ, completion channel, MR, PD, context)",
-            )
-
-    def _mark_closed(self) -> None:
-        self._closed = True
-        for p in self._parents:
-            p._children.discard(self)
-        _count(self._kind, -1)
-
-    def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    def _counted(self, kind: str, delta: int) -> None:
+        _count(kind, delta)
 
 
 # --------------------------------------------------------------------------

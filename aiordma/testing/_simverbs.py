@@ -59,10 +59,10 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Final, Generic, Protocol, Self, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from .._errors import PostError, RDMAError
+from .._rdma.lifetime import Resource
 from .._rdma.constants import (
     DEFAULT_MR_ACCESS,
     DEFAULT_QP_ACCESS,
@@ -304,55 +304,17 @@ class SimWCArray:
         return None if imm < 0 else imm
 
 
-class _SimResource:
-    """Lifetime bookkeeping, the rule of ``verbs._Resource``: parents refuse to close before children."""
-
-    _kind: str = ""
-    _label: str = "object"
+class _SimResource(Resource):
+    """A simulated verbs object under the same lifetime rule as the native ones
+    (:mod:`aiordma._rdma.lifetime`), counted in its fabric's ``live_objects()``."""
 
     def __init__(self, fabric: SimFabric, parents: Sequence[_SimResource]) -> None:
-        for p in parents:
-            p._ensure_open()
+        super().__init__(parents)
         self._fabric = fabric
-        self._closed = False
-        self._children: set[_SimResource] = set()
-        self._parents = tuple(parents)
-        for p in parents:
-            p._children.add(self)
         fabric._live[self._kind] += 1
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _ensure_open(self, call: str = "") -> None:
-        if self._closed:
-            raise RDMAError(errno.EBADF, call or type(self).__name__, f"the {self._label} is closed")
-
-    def _check_children(self, call: str) -> None:
-        if self._children:
-            kinds: dict[str, int] = {}
-            for c in self._children:
-                kinds[c._label] = kinds.get(c._label, 0) + 1
-            what = ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in sorted(kinds.items()))
-            raise RDMAError(errno.EBUSY, call, f"{what} still open; close them first "
-                            "(order: QP, CQ, completion channel, MR, PD, context)")  # fmt: skip
-
-    def _mark_closed(self) -> None:
-        self._closed = True
-        for p in self._parents:
-            p._children.discard(self)
-        self._fabric._live[self._kind] -= 1
-
-    def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
-        self.close()
+    def _counted(self, kind: str, delta: int) -> None:
+        self._fabric._live[kind] += delta
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""The lifetime rule of verbs objects, written once for the native ones (``verbs.py``) and the
+simulated ones (``aiordma.testing``'s wire).
+
+A verbs object has parents (a PD has its context; an MR its PD; a QP its PD and CQs):
+
+* it is created only under open parents (else ``RDMAError(EBADF)``);
+* a parent refuses to close while a child is open (``RDMAError(EBUSY)``, naming what is open and
+  the order: QP, CQ, completion channel, MR, PD, context) -- the kernel would refuse too, or free
+  memory the NIC may still touch;
+* a closed object refuses every call (``EBADF``) and closing it twice does nothing;
+* every open object is counted by kind in its owner's ``live_objects()`` (the native module's, or
+  the simulated fabric's): :meth:`Resource._counted` is that counter.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Self
+
+from .._errors import RDMAError
+
+__all__ = ["Resource", "CLOSE_ORDER"]
+
+#: the order a set of verbs objects closes in (children first)
+CLOSE_ORDER = "QP, CQ, completion channel, MR, PD, context"
+
+
+class Resource:
+    """A verbs object under the lifetime rule (see the module docs).  A subclass sets ``_kind``
+    (its key in ``live_objects()``) and ``_label``, counts itself open once it really is (its
+    verbs call succeeded: ``self._counted(self._kind, 1)``), and calls :meth:`_mark_closed` when it
+    closed."""
+
+    _kind: str = ""
+    _label: str = "object"
+
+    def __init__(self, parents: Sequence[Resource]) -> None:
+        for p in parents:
+            p._ensure_open()
+        self._closed = False
+        self._children: set[Resource] = set()
+        self._parents = tuple(parents)
+        for p in self._parents:
+            p._children.add(self)
+
+    def _counted(self, kind: str, delta: int) -> None:
+        """Add ``delta`` to the owner's count of ``kind`` (live objects, registered bytes)."""
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ensure_open(self, call: str = "") -> None:
+        if self._closed:
+            raise RDMAError(errno.EBADF, call or type(self).__name__, f"the {self._label} is closed")
+
+    def _check_children(self, call: str) -> None:
+        if self._children:
+            kinds: dict[str, int] = {}
+            for c in self._children:
+                kinds[c._label] = kinds.get(c._label, 0) + 1
+            what = ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in sorted(kinds.items()))
+            raise RDMAError(errno.EBUSY, call, f"{what} still open; close them first (order: {CLOSE_ORDER})")
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+        for p in self._parents:
+            p._children.discard(self)
+        self._counted(self._kind, -1)
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        self.close()
