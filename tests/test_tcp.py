@@ -269,7 +269,7 @@ async def test_strict_server_refuses_a_tcp_only_client(anyio_backend: Any, monke
         return real(choice, side, tls=tls, backend=backend)
 
     monkeypatch.setattr(_negotiate, "local_offer", fake_offer)
-    monkeypatch.setattr("aiordma._api.local_offer", fake_offer)
+    monkeypatch.setattr("aiordma._handshake.settings.local_offer", fake_offer)
     async with await aiordma.create_listener("127.0.0.1", 0, transport="rdma") as listener:
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, lambda s: s.aclose())

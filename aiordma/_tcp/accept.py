@@ -42,7 +42,8 @@ from anyio.abc import SocketAttribute, SocketStream
 from .._proto.admission import MAX_FIRST_FRAME, SILENT, Admission, Decision, first_frame_size
 from .._conn.core import Core, Link
 from .._io.backends import asyncio_loop
-from .links import AsyncioLink, StreamLink, wrap_tls
+from .asyncio_link import AsyncioLink
+from .stream_link import StreamLink, wrap_tls
 from .._proto.protocol import Mode, Role
 
 __all__ = ["Acceptor", "Spawn"]

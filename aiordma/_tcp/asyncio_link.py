@@ -1,0 +1,489 @@
+"""The asyncio link: an ``asyncio.BufferedProtocol`` on a TCP (or TLS) transport.
+
+The kernel's bytes are received straight into the protocol's buffer (``get_buffer``/
+``buffer_updated``), no ``StreamReader`` in between.  Used under asyncio and uvloop by every front
+end.  With :mod:`aiordma._tcp.stream_link`, the one boundary where OS and transport errors become
+the Core's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from anyio import BrokenResourceError
+
+from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._conn.nowait import NowaitLink
+from .._errors import HandshakeError, ProtocolError
+from .._io.backends import IOBackend, Watch
+from .._proto.protocol import Chunk, CloseCode, Connection
+from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, socket_attributes, unacknowledged, write_chunks
+from .window import WindowWatch, read_sample, set_user_timeout
+
+__all__ = ["AsyncioLink"]
+
+log = logging.getLogger("aiordma")
+
+
+class AsyncioLink(asyncio.BufferedProtocol, Link):
+    # plain attributes here (read-only properties on the Link interface)
+    transport: asyncio.BaseTransport | None = None
+    tcp_writer: asyncio.Transport | None = None
+    #: the plain TCP socket's descriptor (-1: none, or TLS)
+    fd: int = -1
+    paused_writing: bool = False
+    lost: bool = False
+    #: readers call consumed() only while reading is paused (it resumes reading below the low mark)
+    needs_consumed: bool = False
+    #: set by the asyncio Transport front end (aiordma._transport, through set_callbacks):
+    #: called, instead of waking waiters, after every feed of the Core and when the connection
+    #: ends; and ``write_listener(paused)`` when the TCP transport pauses or resumes writing
+    listener: Callable[[], None] | None = None
+    write_listener: Callable[[bool], None] | None = None
+
+    """The protocol side of an asyncio TCP connection (see module docs).
+
+    ``on_made`` (servers) is called with the link once the transport exists.
+
+    This is the hot path of every asyncio connection, kept short on purpose:
+    DATA payloads land in the Core's ``rbuf`` inside the protocol's
+    ``buffer_updated`` (the data sink), ``incoming()`` hands out the waiter's
+    future itself, and readers call ``consumed()`` only while reading is paused
+    (``needs_consumed``).  It is a :class:`~aiordma._conn.nowait.NowaitLink`: asyncio's front
+    ends write through it without waiting.
+    """
+
+    def __init__(
+        self,
+        proto: Connection,
+        loop: asyncio.AbstractEventLoop,
+        on_made: Callable[[AsyncioLink], None] | None = None,
+    ) -> None:
+        self._loop = loop
+        self._on_made = on_made
+        self.transport: asyncio.BaseTransport | None = None
+        self.tcp_writer: asyncio.Transport | None = None
+        # tasks in wait_incoming(): the first in _waiter (the common case, one
+        # reader), any others in _waiters (never used while _waiter is None)
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.paused_writing = False
+        self._paused_reading = False
+        self.lost = False
+        self._closed_future: asyncio.Future[None] = loop.create_future()
+        self._create_future = loop.create_future
+        self._proto = proto
+        #: set once another link (RDMA) took the Core over: it gets what the socket still carries
+        self._on_control: Callable[[bytes | None], None] | None = None
+        self._eof_sent = False  # our half is closed (write_eof)
+        self._linger: Linger | None = None  # closing in order: our CLOSE is out, waiting for the peer's end
+        self._close_error: BrokenResourceError | None = None  # the peer may not have everything (wait_closed)
+        self._abort_after_linger = False  # (TLS: see close_nowait)
+        self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
+        self._window_sock: Any = None
+        self._window_timer: asyncio.TimerHandle | None = None
+        # the loop calls get_buffer for every read: go to the protocol directly
+        self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
+        Core(proto, self)
+
+    # -- asyncio protocol callbacks ------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        # uvloop's transports are not subclasses of asyncio's: rely on the methods
+        self.tcp_writer = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
+        elif transport.get_extra_info("uvloop.sslproto") is not None:
+            # uvloop's TLS drops what it holds undecrypted when the connection ends while we
+            # have paused reading (asyncio's keeps it for us): with these limits it stops reading
+            # the socket as soon as it holds anything we have not taken, so the peer's end stays
+            # in the kernel, behind its data, until we read again
+            limits: Any = transport
+            limits.set_read_buffer_limits(high=1, low=0)
+        if self._on_made is not None:
+            self._on_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced per instance in __init__
+        return self._proto.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._on_control is not None:  # handed over: the RDMA link reads the TCP connection
+            self._on_control(self._proto.peek_lent(nbytes))
+            return
+        core = self.core
+        try:
+            events = self._proto.buffer_updated(nbytes)
+        except (ProtocolError, HandshakeError) as exc:
+            core.on_events(exc.pending_events)
+            core.on_error(exc)
+            self._fail(exc)
+        else:
+            if events:
+                core.on_events(events)
+                if core.peer_close is not None:
+                    self._half_close()
+            if core.closed:
+                core.discard()  # (lingering after our CLOSE: what comes is dropped)
+            # DATA went into core.rbuf without events: check the level every time
+            elif not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
+                self._pause_reading()
+        listener = self.listener
+        if listener is not None:
+            listener()
+            return
+        fut = self._waiter  # self._wake(), inlined
+        if fut is not None:
+            self._waiter = None
+            if not fut.done():
+                fut.set_result(None)
+            if self._waiters:
+                self._wake_more()
+
+    def eof_received(self) -> bool:
+        if self._on_control is not None:
+            self._control_ended()
+            return False
+        core = self.core
+        if not core.closed:
+            core.feed_eof()
+        self._wake()
+        return False  # (asyncio closes the transport: lingering after our CLOSE, that is its end)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._linger is not None and exc is not None and self.core.peer_close is None and self._close_error is None:
+            self._close_error = closing_failed(exc)  # (lingering: what we sent may not all be there)
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        if self._on_control is not None:
+            self._control_ended()
+            if not self._closed_future.done():
+                self._closed_future.set_result(None)
+            return
+        core = self.core
+        if exc is not None and not core.closed and core.error is None and core.peer_close is None:
+            self._read_what_is_left()
+        if not core.closed and core.error is None and core.peer_close is None:
+            core.feed_eof(exc)
+        self._wake()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        if not self._closed_future.done():
+            self._closed_future.set_result(None)
+        self._on_made = None
+
+    def _read_what_is_left(self) -> None:
+        """asyncio's socket transport drops a connection whose write failed (the peer closed and
+        reset it) without reading what the kernel still holds -- the peer's last bytes and its
+        CLOSE, perhaps.  Its socket is still open during ``connection_lost``: read that now,
+        without blocking.  (uvloop closes the socket first; there nothing can be read.)"""
+        transport = self.transport
+        if transport is None or type(transport).__module__ != "asyncio.selector_events":
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        import os
+
+        try:
+            fd = sock.fileno()
+            while fd >= 0:
+                data = os.read(fd, RECEIVE_HIGH_WATER)
+                if not data:
+                    break
+                self.core.feed(data)
+        except OSError:  # (BlockingIOError: nothing more; ECONNRESET after the last bytes)
+            pass
+
+    def pause_writing(self) -> None:
+        self.paused_writing = True
+        if self.write_listener is not None:
+            self.write_listener(True)
+
+    def resume_writing(self) -> None:
+        self.paused_writing = False
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        if self.write_listener is not None:
+            self.write_listener(False)
+
+    # -- the window watch (aiordma._tcp.window) -------------------------------
+
+    def watch_window(self, sock: Any, watch: WindowWatch) -> None:
+        """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
+        self._window, self._window_sock = watch, sock
+
+    def written(self) -> None:
+        """Bytes went to the transport: start looking, if the watch was idle.  Every writer of
+        ``tcp_writer`` calls this (one attribute test when the watch already looks)."""
+        watch = self._window
+        if watch is not None and self._window_timer is None and not self.lost and watch.wrote():
+            self._window_timer = self._loop.call_later(watch.tick, self._look)
+
+    def _look(self) -> None:
+        self._window_timer = None
+        watch = self._window
+        if watch is None or self.lost:
+            return
+        step = watch.look(read_sample(self._window_sock), self._loop.time())
+        if step.user_timeout is not None:
+            set_user_timeout(self._window_sock, int(watch.budget * 1000) if step.user_timeout else 0)
+        if step.dead is not None:
+            self._peer_dead(step.dead)
+        elif step.again:
+            self._window_timer = self._loop.call_later(watch.tick, self._look)
+
+    def _peer_dead(self, exc: OSError) -> None:
+        core = self.core
+        log.info("aiordma: %s", exc)
+        if self._linger is not None and self._close_error is None:
+            self._close_error = closing_failed(exc)
+        if not core.closed and core.error is None:
+            core.feed_eof(exc)
+        self.abort()  # (connection_lost follows; the Core already has its error)
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- internals -----------------------------------------------------------
+
+    def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
+        # from now on the socket's bytes go to the RDMA link, not to the protocol object (they
+        # still land in its lent buffer: uvloop keeps the get_buffer it found at the start)
+        self._on_control = on_control
+        return None
+
+    def _control_ended(self) -> None:
+        on_control, self._on_control = self._on_control, ignore_control
+        if on_control is not None:
+            on_control(None)
+
+    def _half_close(self) -> None:
+        """The peer's CLOSE came: it reads no more, and neither will we send; end our half (after
+        what is queued), so that the peer's lingering close sees our FIN instead of waiting."""
+        writer = self.tcp_writer
+        if self._eof_sent or writer is None or writer.is_closing():
+            return
+        self._eof_sent = True
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (OSError, RuntimeError, NotImplementedError) as exc:  # (a transport that cannot)
+            log.debug("aiordma: could not half-close after the peer's CLOSE: %r", exc)
+
+    def _wake(self) -> None:
+        if self.listener is not None:
+            self.listener()
+        fut = self._waiter
+        if fut is not None:
+            self._waiter = None
+            if not fut.done():  # a waiter that was cancelled is done
+                fut.set_result(None)
+            if self._waiters:
+                self._wake_more()
+
+    def _wake_more(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    def _pause_reading(self) -> None:
+        if self.tcp_writer is not None and not self.lost:
+            self.tcp_writer.pause_reading()
+            self._paused_reading = self.needs_consumed = True
+
+    def _resume_reading(self) -> None:
+        self._paused_reading = self.needs_consumed = False
+        if self.tcp_writer is not None and not self.lost:
+            self.tcp_writer.resume_reading()
+
+    def _fail(self, exc: Exception) -> None:
+        """The peer broke the protocol: tell it why and hang up."""
+        writer = self.tcp_writer
+        if writer is not None and not writer.is_closing():
+            final = self.core.proto.close(CloseCode.PROTOCOL_ERROR, str(exc))
+            if final:
+                writer.write(final)
+            writer.close()
+
+    # -- Link ------------------------------------------------------------------
+
+    async def wait_incoming(self) -> None:
+        if self.lost or self.core.closed:
+            return
+        await self.incoming()
+
+    def incoming(self) -> Awaitable[None]:
+        if self.lost or self.core.closed:
+            return self.wait_incoming()  # returns at once
+        if self._paused_reading:
+            self._resume_reading()
+        fut = self._create_future()
+        first = self._waiter
+        if first is None or first.done():  # done: that wait was cancelled
+            self._waiter = fut
+        else:
+            waiters = self._waiters
+            if len(waiters) >= 8:
+                # futures of cancelled waits stay until the next wake; drop
+                # them, so that waits cancelled on an idle connection cannot
+                # pile up
+                waiters[:] = [w for w in waiters if not w.done()]
+            waiters.append(fut)
+        return fut
+
+    def consumed(self) -> None:
+        if self._paused_reading and self.core.buffered <= RECEIVE_HIGH_WATER // 4:
+            self._resume_reading()
+
+    def write_nowait(self, chunks: Sequence[Chunk]) -> None:
+        """Queue ``chunks`` on the transport (see :func:`write_chunks`: nothing of a caller's
+        mutable buffer is kept once this returns)."""
+        writer = self.tcp_writer
+        if writer is None or writer.is_closing():
+            raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+        if len(chunks) == 1 and type(chunks[0]) is bytes:
+            writer.write(chunks[0])
+        else:
+            write_chunks(writer, chunks, self.fd)
+        if self._window_timer is None:
+            self.written()
+
+    def send_nowait(self, chunks: Sequence[Chunk]) -> None:
+        self.write_nowait(chunks)
+
+    def unsent(self) -> int:
+        writer = self.tcp_writer
+        return writer.get_write_buffer_size() if writer is not None else 0
+
+    def set_callbacks(
+        self, on_data: Callable[[], None] | None, on_write_paused: Callable[[bool], None] | None
+    ) -> bool:
+        """Call ``on_data()`` after every feed of the Core (and when the connection ends) instead
+        of waking waiters, and ``on_write_paused(paused)`` as the TCP transport pauses or resumes."""
+        self.listener, self.write_listener = on_data, on_write_paused
+        return True
+
+    async def drain(self, low: int = 0) -> None:
+        """Wait while the TCP transport has paused writing (its own low mark: ``low`` is not used)."""
+        if not self.paused_writing or self.lost:
+            return
+        fut = self._loop.create_future()
+        self._drain_waiters.append(fut)
+        try:
+            await fut
+        finally:
+            self._drain_waiters.remove(fut)
+
+    async def send(self, chunks: Sequence[Chunk]) -> None:
+        self.write_nowait(chunks)
+        if self.paused_writing:
+            await self.drain()
+            if self.lost:
+                raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+
+    def close_nowait(self, final: bytes) -> None:
+        """Write ``final`` (our CLOSE) and start closing in order.
+
+        With a CLOSE to deliver, the connection lingers (:class:`Linger`): our half ends after
+        what is queued (a FIN), and reading goes on -- what arrives is dropped -- until the
+        peer's half ends too (it does when it parses our CLOSE) or its kernel acknowledged all we
+        sent: the socket never closes while the peer's kernel has yet to take bytes of ours (a
+        close with unread bytes resets the connection, and the reset drops what is in flight).
+        A slow reader is waited for as long as its host is alive (the window watch judges).
+        :meth:`wait_closed` waits for it.  Without a CLOSE (the peer closed first, or the
+        connection failed) the transport just closes (it flushes first)."""
+        writer = self.tcp_writer
+        if writer is not None and not writer.is_closing():
+            if final:
+                writer.write(final)
+            tls = writer.get_extra_info("ssl_object") is not None and writer.get_extra_info("socket") is not None
+            if final and self._on_control is None and not self._eof_sent and (tls or writer.can_write_eof()):
+                self._linger = Linger()
+                self.written()  # (the watch judges the peer while it has bytes of ours to take)
+                if self._paused_reading:
+                    self._resume_reading()
+                if tls:
+                    # no half-close in TLS: the linger ends on the ACKs (or the peer's end), then
+                    # the transport is aborted -- TLS's own shutdown would wait for the peer's
+                    # close_notify, which a peer that closes later sends late or never (our CLOSE,
+                    # inside the encrypted stream, is the authenticated end)
+                    self._abort_after_linger = True
+                else:
+                    self._eof_sent = True
+                    try:
+                        writer.write_eof()
+                    except OSError:  # (the peer reset the connection already: nothing to linger for)
+                        self._linger = None
+                        writer.close()
+            else:
+                writer.close()
+        elif writer is None and self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def abort(self) -> None:
+        if self.tcp_writer is not None:
+            self.tcp_writer.abort()
+        self._wake()
+
+    async def wait_closed(self) -> None:
+        """Wait until the transport is gone.  Lingering (see :meth:`close_nowait`): until the
+        peer's half ended or its kernel has everything we sent, however long that takes while
+        the peer is alive; raises ``BrokenResourceError`` when it may not have everything (the
+        watch found its host dead, the connection was reset or timed out first).  Not lingering:
+        within ``CLOSE_TIMEOUT`` (then it aborts).  Cancelled, it aborts."""
+        if self.transport is None:
+            return
+        try:
+            while True:
+                linger = self._linger
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._closed_future),
+                                           linger.tick if linger is not None else CLOSE_TIMEOUT)  # fmt: skip
+                    break
+                except asyncio.TimeoutError:
+                    writer = self.tcp_writer
+                    if linger is None or writer is None:
+                        self.abort()
+                        await self._closed_future
+                        break
+                    outstanding = writer.get_write_buffer_size() + unacknowledged(writer.get_extra_info("socket"))
+                    if linger.look(outstanding):
+                        self._linger = None
+                        if self._abort_after_linger:
+                            writer.abort()  # (TLS: see close_nowait; a reset now drops nothing of ours)
+                        else:
+                            writer.close()  # (all acknowledged: a FIN, or a reset that drops nothing of ours)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        if self._close_error is not None:
+            raise self._close_error
+
+    async def aclose(self, final: bytes) -> None:
+        self.close_nowait(final)
+        await self.wait_closed()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        transport = self.transport
+        if transport is None:
+            return {}
+        return socket_attributes(transport.get_extra_info)
+
+
+if TYPE_CHECKING:  # mypy holds the link to the interface asyncio's front ends use
+
+    def _nowait(link: AsyncioLink) -> NowaitLink:
+        return link
