@@ -13,6 +13,8 @@ import pytest
 
 import aiordma
 from aiordma import _cli
+from aiordma._cli import common as cli_common
+from aiordma._cli import info as cli_info
 from aiordma._errors import RDMAUnavailableError
 from aiordma._handshake.negotiate import local_offer
 
@@ -136,7 +138,7 @@ def _fake_sysfs(root: Path) -> None:
     (port / "link_layer").write_text("Ethernet\n")
     (port / "gids" / "0").write_text("fe80:0000:0000:0000:0250:56ff:fe00:0001\n")
     (port / "gids" / "1").write_text("0000:0000:0000:0000:0000:ffff:7f00:0001\n")
-    (port / "gids" / "2").write_text(_cli.ZERO_GID + "\n")  # unused entry: skipped
+    (port / "gids" / "2").write_text(cli_common.ZERO_GID + "\n")  # unused entry: skipped
     (port / "gid_attrs" / "types" / "0").write_text("IB/RoCE v1\n")
     (port / "gid_attrs" / "types" / "1").write_text("RoCE v2\n")
     (port / "gid_attrs" / "ndevs" / "1").write_text("eth0\n")
@@ -146,7 +148,7 @@ def _fake_sysfs(root: Path) -> None:
 
 def test_devices_ports_and_gids_are_read_from_sysfs(tmp_path: Path) -> None:
     _fake_sysfs(tmp_path)
-    devices = _cli.read_rdma_devices(str(tmp_path))
+    devices = cli_info.read_rdma_devices(str(tmp_path))
     assert [d.name for d in devices] == ["mlx5_0", "rxe0"]
     assert devices[0].ports == []
     rxe = devices[1]
@@ -157,19 +159,19 @@ def test_devices_ports_and_gids_are_read_from_sysfs(tmp_path: Path) -> None:
         (0, "fe80::250:56ff:fe00:1", "IB/RoCE v1", None),
         (1, "::ffff:127.0.0.1", "RoCE v2", "eth0"),
     ]
-    text = _cli.format_info(_cli.collect_info(str(tmp_path)))
+    text = cli_info.format_info(cli_info.collect_info(str(tmp_path)))
     assert "  rxe0 (1: CA)" in text
     assert "    port 1: state 4: ACTIVE, link layer Ethernet" in text
     assert "      gid[1] ::ffff:127.0.0.1 (RoCE v2, netdev eth0)" in text
-    assert _cli.ZERO_GID not in text
+    assert cli_common.ZERO_GID not in text
     assert "  mlx5_0\n    no ports" in text
 
 
 def test_no_sysfs_means_no_devices(tmp_path: Path) -> None:
-    assert _cli.read_rdma_devices(str(tmp_path / "absent")) == []
-    info = _cli.collect_info(str(tmp_path / "absent"))
+    assert cli_info.read_rdma_devices(str(tmp_path / "absent")) == []
+    info = cli_info.collect_info(str(tmp_path / "absent"))
     assert info["rdma"]["devices"] == [] and info["rdma"]["sysfs_exists"] is False
-    assert f"RDMA devices: none ({tmp_path / 'absent'} does not exist)" in _cli.format_info(info)
+    assert f"RDMA devices: none ({tmp_path / 'absent'} does not exist)" in cli_info.format_info(info)
 
 
 def test_console_script_is_installed() -> None:
@@ -269,10 +271,10 @@ def test_demo_strict_rdma() -> None:
 
 
 def test_size_argument() -> None:
-    assert _cli._size("65536") == 65536
-    assert _cli._size("64K") == 64 << 10
-    assert _cli._size("64M") == 64 << 20
-    assert _cli._size("1GiB") == 1 << 30
+    assert cli_common.parse_size("65536") == 65536
+    assert cli_common.parse_size("64K") == 64 << 10
+    assert cli_common.parse_size("64M") == 64 << 20
+    assert cli_common.parse_size("1GiB") == 1 << 30
 
 
 def test_a_command_is_required() -> None:

@@ -215,7 +215,7 @@ async def test_a_qp_lets_its_peer_read_only_once_it_granted_a_read(anyio_backend
 
 @pytest.mark.rdma
 def test_aiordma_info_says_how_remote_keys_are_scoped() -> None:
-    from aiordma._cli import collect_info, format_info
+    from aiordma._cli.info import collect_info, format_info
 
     info = collect_info()
     devices = info["rdma"]["devices"]
