@@ -40,7 +40,7 @@ from __future__ import annotations
 import abc
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
@@ -62,7 +62,7 @@ from .._proto.protocol import (
     Mode,
 )
 
-__all__ = ["Core", "Link"]
+__all__ = ["Core", "Link", "ControlLink", "RendezvousLink"]
 
 _OPEN = Half.OPEN
 
@@ -71,8 +71,9 @@ _OPEN = Half.OPEN
 RECEIVE_HIGH_WATER = 1 << 20
 
 
-class Link(abc.ABC):
-    """Moves bytes between a :class:`Core` and the peer (see module docs)."""
+class Link(Protocol):
+    """Moves bytes between a :class:`Core` and the peer (see module docs): what the Core asks of a
+    link.  The links subclass it (its defaults are theirs); mypy holds them to it."""
 
     core: Core
 
@@ -95,6 +96,7 @@ class Link(abc.ABC):
 
     def consumed(self) -> None:
         """A reader took bytes out of the Core."""
+        return None
 
     @abc.abstractmethod
     async def aclose(self, final: bytes) -> None: ...
@@ -122,22 +124,31 @@ class Link(abc.ABC):
         waiting, closing in the background -- is :class:`~aiordma._conn.nowait.NowaitLink`.)"""
         return None
 
-    # -- rendezvous (a link that sets ``Core.rndv_min``: the RDMA link) ------------------------
 
-    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
-        """Send ``data`` (a message, or stream bytes) by rendezvous: staged, READ by the peer."""
-        raise NotImplementedError(f"{type(self).__name__} has no rendezvous")
 
-    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
-        """READ a rendezvous message: into ``view`` (returns its length) or new ``bytes``."""
-        raise NotImplementedError(f"{type(self).__name__} has no rendezvous")
+@runtime_checkable
+class ControlLink(Link, Protocol):
+    """A TCP link, which another link (RDMA) may take the Core over from."""
 
     def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
         """Another link (RDMA) takes the Core over; this one only watches the connection:
         ``on_control(data)`` gets whatever bytes it still carries (after the switch that is only
         a closing peer's goodbye), ``on_control(None)`` its end.  Returns the watch to close
         (``None`` when the link reports through its own callbacks)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot hand its connection over")
+        ...
+
+
+class RendezvousLink(Protocol):
+    """A link that moves large messages by rendezvous (the RDMA link, once it took the Core over:
+    it sets ``Core.rendezvous``, and ``Core.rndv_min`` when the peer READs what we stage)."""
+
+    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` (a message, or stream bytes) by rendezvous: staged, READ by the peer."""
+        ...
+
+    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
+        """READ a rendezvous message: into ``view`` (returns its length) or new ``bytes``."""
+        ...
 
 
 class Core:
@@ -165,6 +176,8 @@ class Core:
         self._memory: OneSided | None = None
         #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
         self.rndv_min = 1 << 62
+        #: the link that READs the peer's rendezvous messages and stages ours (the RDMA link sets it)
+        self.rendezvous: RendezvousLink | None = None
         link.attach(self)
 
     @property
@@ -352,6 +365,12 @@ class Core:
             self.link.consumed()
         return data
 
+    def _rendezvous(self) -> RendezvousLink:
+        link = self.rendezvous
+        if link is None:  # (the protocol refuses rendezvous frames a link could not READ)
+            raise BrokenResourceError("a rendezvous message on a connection that cannot READ it")
+        return link
+
     async def receive_message(self) -> bytes:
         messages = self.messages
         if messages:
@@ -362,7 +381,7 @@ class Core:
             await self.link.incoming()
         data = messages.popleft()
         if data.__class__ is not bytes:  # a rendezvous: READ it now
-            got: bytes = await self.link.fetch_rendezvous(data)
+            got: bytes = await self._rendezvous().fetch_rendezvous(data)
             return got
         messages.nbytes -= len(data)
         if self.link.needs_consumed:
@@ -402,7 +421,7 @@ class Core:
             if rv.length > view.nbytes:
                 raise BufferTooSmallError(rv.length, view.nbytes)
             messages.popleft()
-            n_got: int = await self.link.fetch_rendezvous(rv, view)
+            n_got: int = await self._rendezvous().fetch_rendezvous(rv, view)
             return n_got
         n = len(data)
         if n > view.nbytes:
@@ -419,7 +438,7 @@ class Core:
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
         if len(data) >= self.rndv_min:  # (a link that can stage it: rndv_min is set then)
-            await self.link.send_rendezvous(data)
+            await self._rendezvous().send_rendezvous(data)
             return
         if self.proto.mode is Mode.MESSAGES:
             chunks = self.proto.send_message(data)

@@ -34,7 +34,7 @@ import anyio
 
 from collections.abc import Callable
 
-from .._conn.core import Core
+from .._conn.core import ControlLink, Core
 from .limits import ListenerBudget, ring_bytes
 from .._errors import AuthenticationError, HandshakeError, ProtocolError, RDMAUnavailableError
 from .._proto.protocol import (
@@ -241,7 +241,7 @@ async def client_handshake(
             return
         assert endpoint is not None
         await core.link.send([proto.select("rdma", "")])
-        endpoint.activate(core, core.link)
+        endpoint.activate(core, _control(core))
         endpoint = None  # owned by the Core now
     finally:
         if endpoint is not None:
@@ -306,7 +306,7 @@ async def server_handshake(
         selected = await _next_control(core, TransportSelected)
         if selected.transport == "rdma":
             assert endpoint is not None  # the protocol checked that both offered it
-            endpoint.activate(core, core.link)
+            endpoint.activate(core, _control(core))
             if release is not None:
                 endpoint.on_destroyed.append(release)  # (counted until its teardown ends)
                 release = None
@@ -377,6 +377,14 @@ def make_options(
         raise ValueError("keepalive must be a positive number of seconds, or None")
     return Options(choice, context, server_hostname, max_message_size, handshake_timeout, backend, key, budget,
                    keepalive)  # fmt: skip
+
+
+def _control(core: Core) -> ControlLink:
+    """The TCP link an RDMA link takes the Core over from (the handshake runs on one)."""
+    link = core.link
+    if not isinstance(link, ControlLink):  # pragma: no cover - the handshake runs on a TCP link
+        raise TypeError(f"cannot take the connection over from {type(link).__name__}")
+    return link
 
 
 async def _discard(core: Core) -> None:

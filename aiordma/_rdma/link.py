@@ -45,7 +45,7 @@ from anyio import BrokenResourceError, ClosedResourceError
 from anyio.abc import SocketAttribute
 
 from .._attributes import TransportAttribute
-from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._conn.core import RECEIVE_HIGH_WATER, ControlLink, Core, Link
 from .._conn.nowait import NowaitLink
 from .._errors import RDMAError, RemoteProtocolError
 from .._io.backends import IOBackend, Watch, current_io
@@ -110,7 +110,7 @@ class RdmaLink(RemoteOps, Link):
         self.recv_mr: Any = None
         self.send_mr: Any = None
         self.session: Any = None  # RdmaSession (checked) or NativeSession
-        self.control: Link | None = None
+        self.control: ControlLink | None = None
         self.peer: RdmaParams | None = None
         self._cq_reserved = 0
         self._routed = False
@@ -321,7 +321,7 @@ class RdmaLink(RemoteOps, Link):
         if session.error is not None or session.probe_status:
             raise RdmaSetupError("probe", f"the path to the peer failed ({session.error})")
 
-    def activate(self, core: Core, control: Link) -> None:
+    def activate(self, core: Core, control: ControlLink) -> None:
         """Take the Core over from the TCP link ``control`` (which stays open for liveness)."""
         session = self.session
         assert session is not None
@@ -335,6 +335,7 @@ class RdmaLink(RemoteOps, Link):
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
         if self._native and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
             core.rndv_min = self.config.rendezvous
+        core.rendezvous = self  # (it READs what the peer stages, when its HELLO said so)
         self._control_watch = control.hand_over(self.io, self._on_control)
         if self._native:
             early, self._early = self._early, []

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from anyio import BrokenResourceError
 
-from .._conn.core import RECEIVE_HIGH_WATER, Core, Link
+from .._conn.core import RECEIVE_HIGH_WATER, ControlLink, Core
 from .._conn.nowait import NowaitLink
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
@@ -28,7 +28,7 @@ __all__ = ["AsyncioLink"]
 log = logging.getLogger("aiordma")
 
 
-class AsyncioLink(asyncio.BufferedProtocol, Link):
+class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     # plain attributes here (read-only properties on the Link interface)
     transport: asyncio.BaseTransport | None = None
     tcp_writer: asyncio.Transport | None = None

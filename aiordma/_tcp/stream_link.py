@@ -16,7 +16,7 @@ import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 from anyio.abc import ByteStream, SocketAttribute, SocketStream
 
-from .._conn.core import Core, Link
+from .._conn.core import ControlLink, Core
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
@@ -82,7 +82,7 @@ async def wrap_tls(stream: SocketStream, *, server_side: bool, ssl_context: Any,
                                 ssl_context=ssl_context, standard_compatible=False)  # fmt: skip
 
 
-class StreamLink(Link):
+class StreamLink(ControlLink):
     """A link over an ``anyio.abc.ByteStream`` (pull model, see module docs)."""
 
     def __init__(self, stream: ByteStream, proto: Connection) -> None:
