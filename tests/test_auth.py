@@ -173,7 +173,7 @@ def test_an_auth_frame_out_of_turn_is_a_protocol_error() -> None:
 
 
 def test_a_bad_nonce_extension_is_a_protocol_error() -> None:
-    from aiordma._proto.protocol import EXT_AUTH_NONCE, EXTENSION, decode_hello, encode_hello, Hello
+    from aiordma._proto.framing import EXT_AUTH_NONCE, EXTENSION, Hello, decode_hello, encode_hello
 
     good = encode_hello(Hello(mode=Mode.MESSAGES, auth_nonce=bytes(AUTH_NONCE_SIZE)))
     assert decode_hello(good).auth_nonce == bytes(AUTH_NONCE_SIZE)
