@@ -30,12 +30,11 @@ from anyio import BrokenResourceError, ClosedResourceError
 import aiordma
 from aiordma import RdmaBackend, RdmaConfig, TransportAttribute
 from aiordma._rdma import RdmaSetupError
-from aiordma._rdma.config import NativeProvider
 from aiordma._rdma.device import open_devices
 from aiordma._rdma.params import RdmaParams
-from aiordma.testing import SimFabric, SimProvider, rdma_address
 
-from ._leaks import no_fd_leak, verbs_released
+from ._leaks import no_fd_leak
+from ._rdma_env import Env, rdma_env
 from ._pairs import served_pair
 from ._kinds import read_exactly
 from ._skips import one_loop_on_a_device
@@ -43,23 +42,6 @@ from ._skips import one_loop_on_a_device
 pytestmark = pytest.mark.anyio
 
 STEPS = ["device", "open", "resources", "init", "memory", "post", "params", "rtr", "rts", "probe"]
-
-
-@dataclasses.dataclass
-class Env:
-    kind: str
-    host: str
-    provider: Any
-    fabric: SimFabric | None = None
-
-    def backend(self, cls: Callable[..., RdmaBackend] = RdmaBackend, config: RdmaConfig | None = None, **kw: Any) -> RdmaBackend:
-        # a new provider object each time (as every call without rdma_backend gets a new
-        # default backend): devices must still be shared per loop
-        provider = SimProvider(self.fabric) if self.fabric is not None else NativeProvider()
-        return cls(config, provider=provider, **kw)
-
-    def live(self) -> dict[str, int]:
-        return dict(self.provider.live_objects())
 
 
 @pytest.fixture(
@@ -72,16 +54,8 @@ class Env:
 def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     if request.param == "sim-checked":
         monkeypatch.setenv("AIORDMA_HOT_PATH", "checked")
-    if request.param.startswith("sim"):
-        fabric = SimFabric()
-        fabric.add_device("sim0", "127.0.0.1")
-        e = Env("sim", "127.0.0.1", SimProvider(fabric), fabric)
-    else:
-        address = rdma_address()
-        assert address is not None, "no RDMA device with an IPv4 RoCEv2 address"
-        e = Env("rxe", address, NativeProvider())
-    yield e
-    verbs_released(e.live())
+    with rdma_env(request.param == "rxe") as e:
+        yield e
 
 
 class FailingBackend(RdmaBackend):

@@ -14,7 +14,6 @@ QP), ``sim-own-pd`` (a device without windows, as siw: a protection domain per c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,12 +24,11 @@ import pytest
 from anyio import BrokenResourceError
 
 import aiordma
-from aiordma import RdmaBackend, RdmaConfig, RemoteBuffer
-from aiordma._rdma.config import NativeProvider
+from aiordma import RdmaConfig, RemoteBuffer
 from aiordma._rdma.constants import Access, Opcode, SendWR
-from aiordma.testing import SimFabric, SimProvider, rdma_address
 
-from ._leaks import no_fd_leak, pinned_unchanged, verbs_released
+from ._leaks import no_fd_leak, pinned_unchanged
+from ._rdma_env import Env, rdma_env
 from ._skips import backend_of, one_loop_on_a_device
 
 pytestmark = pytest.mark.anyio
@@ -38,36 +36,17 @@ pytestmark = pytest.mark.anyio
 RNDV = 256 << 10
 
 
-@dataclasses.dataclass
-class Env:
-    kind: str
-    host: str
-    fabric: SimFabric | None
-
-    def backend(self) -> RdmaBackend:
-        provider = SimProvider(self.fabric) if self.fabric is not None else NativeProvider()
-        return RdmaBackend(RdmaConfig(rendezvous=RNDV), provider=provider)
-
-    def live(self) -> dict[str, int]:
-        if self.fabric is not None:
-            return self.fabric.live_objects()
-        return NativeProvider().live_objects()
-
-
 @pytest.fixture(params=["sim", "sim-own-pd", pytest.param("rxe", marks=pytest.mark.rdma)])
 def env(request: pytest.FixtureRequest) -> Any:
+    """The simulated wire with memory windows (``sim``: every exposure a window of its own) or
+    without (``sim-own-pd``: a PD per connection), or the device."""
     if request.param == "rxe":
         one_loop_on_a_device(True, backend_of(request))
-        host = rdma_address()
-        assert host is not None, "no RDMA device with an IPv4 RoCEv2 address"
-        e = Env("rxe", host, None)
-    else:
-        fabric = SimFabric()
-        fabric.add_device("sim0", "127.0.0.1", memory_windows=request.param == "sim")
-        e = Env(request.param, "127.0.0.1", fabric)
-    with pinned_unchanged():
+    with pinned_unchanged(), rdma_env(request.param == "rxe", memory_windows=request.param == "sim",
+                                      config=RdmaConfig(rendezvous=RNDV)) as e:  # fmt: skip
+        if e.kind == "sim":
+            e.kind = request.param
         yield e
-        verbs_released(e.live())
 
 
 @asynccontextmanager
