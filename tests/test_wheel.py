@@ -37,7 +37,7 @@ PROVIDERS = {
 #: modules of an extra, and the only places that import them (each says which extra it needs)
 OPTIONAL_AT = {
     "trio": {"aiordma/_io/backends.py"},  # (only under trio: it is running, so it is installed)
-    "uvloop": {"aiordma/_cli/perf.py"},
+    "uvloop": {"aiordma/_cli/common.py"},
     "grpclib": {"aiordma/grpc.py"},
     "distributed": {"aiordma/_dask/__init__.py", "aiordma/_dask/comm.py", "aiordma/_dask/framing.py",
                     "aiordma/_dask/listener.py"},

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
-__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "SYSFS_IB", "ZERO_GID", "MiB", "parse_size", "parse_positive", "human_bytes"]
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "SYSFS_IB", "ZERO_GID", "MiB", "parse_size", "parse_positive", "human_bytes", "loop_of"]
 
 SYSFS_IB = "/sys/class/infiniband"
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
@@ -50,3 +52,16 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def loop_of(name: str, prog: str) -> tuple[str, dict[str, Any]] | None:
+    """The anyio backend and its options for ``--backend`` (asyncio, uvloop, trio); None, said on
+    stderr, when uvloop is asked for and not installed."""
+    if name == "trio":
+        return "trio", {}
+    if name == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print(f"{prog}: error: --backend uvloop needs uvloop (pip install 'aiordma[uvloop]')", file=sys.stderr)
+            return None
+        return "asyncio", {"loop_factory": uvloop.new_event_loop}
+    return "asyncio", {}

@@ -11,7 +11,6 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 from anyio import EndOfStream
@@ -19,7 +18,7 @@ from anyio.abc import TaskGroup
 
 from .._api import Channel, Stream, connect, connect_channel, create_channel_listener, create_listener
 from .._attributes import TransportAttribute
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, MiB, human_bytes
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, MiB, human_bytes, loop_of
 
 __all__ = ["cmd_demo", "run_demo", "format_demo", "demo_host", "DemoResult", "DemoFailure"]
 
@@ -320,17 +319,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"aiordma demo: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    backend = "asyncio"
-    options: dict[str, Any] = {}
-    if args.backend == "trio":
-        backend = "trio"
-    elif args.backend == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            print("aiordma demo: error: --backend uvloop needs uvloop (pip install 'aiordma[uvloop]')", file=sys.stderr)
-            return EXIT_USAGE
-        options["loop_factory"] = uvloop.new_event_loop
+    loop = loop_of(args.backend, "aiordma demo")
+    if loop is None:
+        return EXIT_USAGE
+    backend, options = loop
 
     host = args.host or demo_host()
 

@@ -5,30 +5,16 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-from typing import Any
 
 import anyio
 
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, parse_size
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, loop_of, parse_size
 from .demo import demo_host
 from .info import _version
 
 __all__ = ["cmd_perf"]
 
 # -- perf ------------------------------------------------------------------------
-
-
-def _loop_of(name: str, prog: str) -> tuple[str, dict[str, Any]] | None:
-    if name == "trio":
-        return "trio", {}
-    if name == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            print(f"{prog}: error: --backend uvloop needs uvloop (pip install 'aiordma[uvloop]')", file=sys.stderr)
-            return None
-        return "asyncio", {"loop_factory": uvloop.new_event_loop}
-    return "asyncio", {}
 
 
 def _sizes(text: str) -> list[int]:
@@ -39,7 +25,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
     from .. import _perf
 
     prog = f"aiordma perf {args.role}"
-    loop = _loop_of(args.backend, prog)
+    loop = loop_of(args.backend, prog)
     if loop is None:
         return EXIT_USAGE
     if args.role == "server":
