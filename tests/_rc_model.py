@@ -144,14 +144,22 @@ def poll(flavor: Flavor, side: Side, n: int | None = None) -> None:
     flavor.process(side, entries)
 
 
-def pair(flavor: Flavor, window: int = 4, control: int = 2, buf: int = 256, max_inline: int = 0,
-         high_water: int = 1 << 20) -> tuple[Side, Side]:  # fmt: skip
-    a = flavor.make_side("A", 1, window, control, buf, 2, max_inline)
-    b = flavor.make_side("B", 2, window, control, buf, 2, max_inline)
+def connected(flavor: Flavor, a_cfg: tuple[int, int, int, int, int], b_cfg: tuple[int, int, int, int, int],
+              high_water: int) -> tuple[Side, Side]:  # fmt: skip
+    """Two sides (configs: window, control, buffer size, extra send-queue entries, inline size),
+    started against each other."""
+    a = flavor.make_side("A", 1, *a_cfg)
+    b = flavor.make_side("B", 2, *b_cfg)
     flavor.start(a, b, high_water)
     flavor.start(b, a, high_water)
     flavor.bind(a, b)
     return a, b
+
+
+def pair(flavor: Flavor, window: int = 4, control: int = 2, buf: int = 256, max_inline: int = 0,
+         high_water: int = 1 << 20) -> tuple[Side, Side]:  # fmt: skip
+    cfg = (window, control, buf, 2, max_inline)
+    return connected(flavor, cfg, cfg, high_water)
 
 
 def exchange(flavor: Flavor, a_cfg: tuple[int, int, int, int, int], b_cfg: tuple[int, int, int, int, int],
@@ -161,11 +169,7 @@ def exchange(flavor: Flavor, a_cfg: tuple[int, int, int, int, int], b_cfg: tuple
     must arrive once and in order, nothing may deadlock, and the teardown must give back every
     receive buffer."""
     rnd = random.Random(seed)
-    a = flavor.make_side("A", 1, *a_cfg)
-    b = flavor.make_side("B", 2, *b_cfg)
-    flavor.start(a, b, high_water)
-    flavor.start(b, a, high_water)
-    flavor.bind(a, b)
+    a, b = connected(flavor, a_cfg, b_cfg, high_water)
     for side in (a, b):
         side.to_send = bytearray(rnd.randbytes(sum(sizes)))
     stall_until = rnd.randrange(200) if stall else 0

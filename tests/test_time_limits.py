@@ -28,9 +28,16 @@ def pytest_collection_modifyitems(config, items):
 """
 
 
-def _ini(pytester: pytest.Pytester, timeout: float) -> None:
-    pytester.makeini(f"[pytest]\ntimeout = {timeout}\ntimeout_method = signal\n")
+def _ini(pytester: pytest.Pytester, timeout: float, extra: str = "") -> None:
+    pytester.makeini(f"[pytest]\ntimeout = {timeout}\ntimeout_method = signal\n{extra}")
     pytester.makeconftest(CONFTEST)
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, float]:
+    """The inner run (a process of its own, killed after 90 s), and how long it took."""
+    started = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", *args, timeout=90)
+    return result, time.monotonic() - started
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -59,9 +66,7 @@ async def test_after():
     await anyio.sleep(0)
 """
     )
-    started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
-    took = time.monotonic() - started
+    result, took = _run(pytester)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     assert "time limit: the test ran over 2 s" in out, out
@@ -72,7 +77,7 @@ async def test_after():
 def test_a_hung_synchronous_test_fails_too(pytester: pytest.Pytester) -> None:
     _ini(pytester, 1)
     pytester.makepyfile(test_hang="import time\ndef test_sleeps():\n    time.sleep(30)\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
+    result, _ = _run(pytester)
     result.assert_outcomes(failed=1)
     assert "Timeout" in result.stdout.str()
 
@@ -116,7 +121,7 @@ async def test_async(request):
 def test_limits_per_marker_and_in_the_guest(pytester: pytest.Pytester, in_guest: bool) -> None:
     from . import _time_limits
 
-    _ini(pytester, 120)
+    _ini(pytester, 120, "markers =\n    slow: slow\n")
     factor = _time_limits.GUEST_FACTOR if in_guest else 1
     pytester.makepyfile(
         test_limits=LIMITS.format(
@@ -129,15 +134,12 @@ def test_limits_per_marker_and_in_the_guest(pytester: pytest.Pytester, in_guest:
             async_alarm=(120 + 2.0) * factor,  # GRACE is 2 s in CONFTEST
         )
     )
-    pytester.makeini(
-        "[pytest]\ntimeout = 120\ntimeout_method = signal\nmarkers =\n    slow: slow\n"
-    )
     env = dict(os.environ)
     env.pop("AIORDMA_IN_VM", None)
     if in_guest:
         env["AIORDMA_IN_VM"] = "1"
     pytester._monkeypatch.setattr(os, "environ", env)  # the subprocess inherits os.environ
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
+    result, _ = _run(pytester)
     result.assert_outcomes(passed=5)
 
 
@@ -152,7 +154,7 @@ def test_slow(request):
     assert request.node.get_closest_marker("timeout") is None
 """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "--timeout=50", timeout=90)
+    result, _ = _run(pytester, "--timeout=50")
     result.assert_outcomes(passed=1)
 
 
@@ -184,9 +186,7 @@ async def test_after():
     await anyio.sleep(0)
 """
     )
-    started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
-    took = time.monotonic() - started
+    result, took = _run(pytester)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     assert "Timeout (>3.0s) from pytest-timeout" in out, out
@@ -213,8 +213,7 @@ async def test_hangs(n):
     await anyio.Event().wait()
 """
     )
-    started = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=90)
+    result, took = _run(pytester)
     result.assert_outcomes(failed=2)
     assert result.stdout.str().count("time limit: the test ran over 2 s") >= 2, result.stdout.str()
-    assert time.monotonic() - started < 60
+    assert took < 60

@@ -139,8 +139,7 @@ class Nowait:
 
     def unsent(self) -> int:
         """Bytes written and not handed to the kernel or the NIC yet."""
-        writer = self._link.tcp_writer
-        return writer.get_write_buffer_size() if writer is not None else self._link.unsent()
+        return self._link.unsent()
 
     # -- writing -----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ssl as _ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, Self
 
 from .._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
 from .._proto.protocol import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, Mode
@@ -28,15 +28,15 @@ from .negotiate import Options, local_offer, make_options
 
 __all__ = ["ClientSettings", "ListenerSettings", "listen"]
 
-S = TypeVar("S", "ClientSettings", "ListenerSettings")
-
-
-def _of(cls: type[S], arguments: Mapping[str, Any]) -> S:
-    return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})
+class _Settings:
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> Self:
+        """The settings among an entry point's arguments (its ``locals()``), by name."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClientSettings:
+class ClientSettings(_Settings):
     """What a client sets (the keyword arguments of ``aiordma.connect``)."""
 
     transport: str | None = None
@@ -49,11 +49,6 @@ class ClientSettings:
     auth: str | bytes | bool | None = None
     keepalive: float | None = DEFAULT_KEEPALIVE
 
-    @classmethod
-    def of(cls, arguments: Mapping[str, Any]) -> ClientSettings:
-        """The settings among an entry point's arguments (its ``locals()``), by name."""
-        return _of(cls, arguments)
-
     def options(self) -> Options:
         """Checked (``ValueError``: a setting out of range), as the handshake takes them."""
         return make_options(
@@ -63,7 +58,7 @@ class ClientSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ListenerSettings:
+class ListenerSettings(_Settings):
     """What a listener sets (the keyword arguments of ``aiordma.create_listener``); admission:
     see :mod:`aiordma._proto.admission`, the RDMA budget: :mod:`aiordma._handshake.limits`."""
 
@@ -87,11 +82,6 @@ class ListenerSettings:
             raise ValueError("backlog, max_handshakes and max_handshakes_per_address must be at least 1")
         if not self.hello_timeout > 0:
             raise ValueError("hello_timeout must be a positive number of seconds")
-
-    @classmethod
-    def of(cls, arguments: Mapping[str, Any]) -> ListenerSettings:
-        """The settings among an entry point's arguments (its ``locals()``), by name."""
-        return _of(cls, arguments)
 
     def options(self) -> Options:
         """Checked, as the handshake takes them, with a budget of this listener's own."""
