@@ -71,8 +71,8 @@ def test_hostile_completions_are_typed_errors_and_buffers_still_come_back() -> N
 
 def test_inline_sends_take_no_slot_and_large_ones_do() -> None:
     a, b, flavor = _pair(max_inline=64)
-    a.session.send_now([b"x" * 10])
-    a.session.send_now([b"y" * 200])
+    a.session.send([b"x" * 10])
+    a.session.send([b"y" * 200])
     kinds = [(w.data is not None, w.length) for w in a.wire]
     assert kinds[0][0] and kinds[0][1] == 10
     assert not kinds[1][0] and kinds[1][1] == 200
@@ -83,7 +83,7 @@ def test_inline_sends_take_no_slot_and_large_ones_do() -> None:
 
 def test_close_signals_the_last_send_and_a_fence_follows_an_unsignaled_one() -> None:
     a, b, flavor = _pair()
-    a.session.send_now([b"last"])
+    a.session.send([b"last"])
     a.session.begin_close()
     assert a.session.state is LinkState.CLOSING
     # the last send went unsignaled (signal_every=4): a signaled zero-length WRITE fences it

@@ -1,7 +1,7 @@
 """The native hot path: one connection's session state in a C struct.
 
-:class:`NativeSession` has the interface of the checked
-:class:`~aiordma._rdma.session.RdmaSession` that the link uses, but its
+:class:`NativeSession` is a :class:`~aiordma._rdma.datapath.DataPath`, like the
+checked :class:`~aiordma._rdma.checked.CheckedSession`, but its
 per-message work is C (``_native/aiordma_fast.c``): a send is one call that
 copies the bytes into the next send-ring slot (or inline into the work
 request) and posts; completions are processed inside the poller's one call
@@ -117,7 +117,8 @@ def chan_error(c: Any, buffer_size: int) -> BaseException:
 
 
 class NativeSession:
-    """The session of one connection with its state in a ``struct aiordma_chan`` (see the module docs).
+    """The session of one connection with its state in a ``struct aiordma_chan`` (see the module
+    docs); a :class:`~aiordma._rdma.datapath.OneSidedPath`.
 
     ``qp`` is the native QP (its ``_h`` handle is what C posts on) or the
     simulated wire's QP (record mode: ``qp.post_records(chan)`` posts what C
@@ -159,12 +160,14 @@ class NativeSession:
         self.state = LinkState.SETUP
         self.error: BaseException | None = None
         self.peer: RdmaParams | None = None
-        self.send: Ring | None = None
+        self.send_ring: Ring | None = None
         self.high_water = 1 << 20
         self._quarter = self.high_water // 4
-        self._backlog: deque[memoryview] = deque()
+        #: the bytes queued and not posted yet, in order (the caller's views until ``detach``)
+        self.queued: deque[memoryview] = deque()
         self.enqueued = 0
-        self._need_fence = False
+        #: closing waits to post a signaled marker after an unsignaled last send
+        self.need_fence = False
         self._from_buffer = ffi.from_buffer
         self._send = clib.aiordma_chan_send
 
@@ -186,21 +189,20 @@ class NativeSession:
 
     # -- set-up ------------------------------------------------------------------
 
-    def initial_receives(self) -> list[tuple[int, int, int]]:
-        """Post every receive slot (C does); nothing is left for the link to post."""
+    def post_receives(self) -> None:
+        """Post every receive slot (C does); raises what the QP refused."""
         self._lib.aiordma_chan_repost_all(self.c)
         self._posted()
         self._check_c()
         if self.error is not None:
             raise self.error
-        return []
 
     def start(self, peer: RdmaParams, *, sq_depth: int, send: Ring, max_inline: int = 0, signal_every: int = 8,
               high_water: int = 1 << 20) -> None:  # fmt: skip
         if sq_depth < 2:
             raise ValueError("the send queue needs at least 2 entries")
         c = self.c
-        self.peer, self.send = peer, send
+        self.peer, self.send_ring = peer, send
         send_size = min(peer.buffer_size, send.slot_size)
         c.saddr, c.slkey, c.sslot, c.scount, c.send_size = send.addr, send.lkey, send.slot_size, send.count, send_size
         c.sq_depth = sq_depth
@@ -254,11 +256,11 @@ class NativeSession:
         if self.error is None:
             self.error = exc
         self._set_state(next_state(self.state, LinkInput.FAIL))
-        self._backlog.clear()
+        self.queued.clear()
 
     def begin_close(self) -> None:
         self._set_state(next_state(self.state, LinkInput.CLOSE))
-        if self.state is LinkState.CLOSING and not self._backlog:
+        if self.state is LinkState.CLOSING and not self.queued:
             self._close_reached()
 
     def _close_reached(self) -> None:
@@ -272,7 +274,7 @@ class NativeSession:
         elif self._lib.aiordma_chan_marker(c, KIND_FENCE) == 0:
             self._posted()
         else:
-            self._need_fence = True
+            self.need_fence = True
             self._check_c()
 
     def _close_done(self) -> None:
@@ -286,7 +288,7 @@ class NativeSession:
 
     def begin_drain(self) -> None:
         self._set_state(next_state(self.state, LinkInput.DRAIN))
-        self._backlog.clear()
+        self.queued.clear()
 
     @property
     def drained(self) -> bool:
@@ -311,12 +313,12 @@ class NativeSession:
 
     # -- probe --------------------------------------------------------------------
 
-    def probe_work(self) -> list[SendWork]:
-        """Post the path probe (a signaled zero-length RDMA WRITE); nothing is left for the link."""
+    def post_probe(self) -> None:
+        """Post a probe (a signaled zero-length RDMA WRITE); with the send queue full it does not
+        (what fills it completes, or times out, by itself)."""
         if self._lib.aiordma_chan_marker(self.c, KIND_PROBE) == 0:
             self._posted()
         self._check_c()
-        return []
 
     @property
     def progress(self) -> int:
@@ -345,40 +347,55 @@ class NativeSession:
 
     @property
     def backlog(self) -> bool:
-        return bool(self._backlog)
+        return bool(self.queued)
 
     @property
     def blocked_on_sends(self) -> bool:
         """The last send stopped for the send queue or the send ring (a send completion frees them)."""
         return bool(self.c.blocked == BLOCK_SQ)
 
-    def send_now(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
-        """Post ``chunks`` at once where credits and slots allow; queue the rest.  Returns the byte
-        mark that ends them (compare with :attr:`posted_bytes`)."""
-        if self._backlog or len(chunks) > 2:
+    @property
+    def wants_send_completions(self) -> bool:
+        c = self.c
+        return (
+            self.error is None
+            and c.blocked == BLOCK_SQ
+            and bool(self.queued or c.to_return > 0 or self.need_fence)
+        )
+
+    def send(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Post ``chunks`` at once where credits and slots allow (one C call); queue the rest.
+        Returns 0 when all of it was posted, else the byte mark that ends it (compare with
+        :attr:`posted_bytes`); a refused post sets :attr:`error`."""
+        n_chunks = len(chunks)
+        if self.queued or n_chunks > 2 or not n_chunks:
             end = self.queue(chunks)
             self.flush()
-            return end
+            return 0 if self.error is None and self.c.posted_bytes >= end else end
         a = chunks[0]
-        b = chunks[1] if len(chunks) == 2 else b""
-        na = len(a) if type(a) is bytes else memoryview(a).nbytes
-        nb = len(b) if type(b) is bytes else memoryview(b).nbytes
-        total = na + nb
-        self.enqueued += total
-        taken = self._send(
-            self.c,
-            a if type(a) is bytes else self._from_buffer(a),
-            na,
-            b if type(b) is bytes else self._from_buffer(b),
-            nb,
-            0,
-        )
-        if self.record is not None:
-            self.record(self.c)
-            if self.c.error:
+        c = self.c
+        if n_chunks == 1 and type(a) is bytes:  # the hot path: a small frame, header and payload joined
+            total = len(a)
+            self.enqueued += total
+            taken = self._send(c, a, total, b"", 0, 0)
+            b: bytes | bytearray | memoryview = b""
+        else:
+            b = chunks[1] if n_chunks == 2 else b""
+            na = len(a) if type(a) is bytes else memoryview(a).nbytes
+            nb = len(b) if type(b) is bytes else memoryview(b).nbytes
+            total = na + nb
+            self.enqueued += total
+            from_buffer = self._from_buffer
+            taken = self._send(
+                c, a if type(a) is bytes else from_buffer(a), na, b if type(b) is bytes else from_buffer(b), nb, 0
+            )
+        if self.record is not None:  # the simulated wire posts what C recorded
+            self.record(c)
+            if c.error:
                 self._check_c()
+                return self.enqueued
         if taken == total:
-            return self.enqueued
+            return 0
         return self.after_partial(a, total, taken, b)
 
     def after_partial(self, a: bytes | bytearray | memoryview, total: int, taken: int,
@@ -399,13 +416,13 @@ class NativeSession:
 
     def queue(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
         """Append chunks to the backlog; returns the byte count that ends them."""
-        self.enqueued += queue_views(self._backlog, chunks)
+        self.enqueued += queue_views(self.queued, chunks)
         return self.enqueued
 
     def detach(self, end: int, count: int | None = None) -> None:
         """Copy the unposted part of the bytes queued up to ``end`` out of the caller's buffers
         (see :func:`~aiordma._rdma.session.detach_views`)."""
-        detach_views(self._backlog, self.enqueued, self.posted_bytes, end, count)
+        detach_views(self.queued, self.enqueued, self.posted_bytes, end, count)
 
     def flush(self) -> list[SendWork]:
         """Post what the backlog and the credits allow (C posts); nothing is left for the link."""
@@ -413,7 +430,7 @@ class NativeSession:
         if state is not LinkState.OPEN and state is not LinkState.CLOSING and state is not LinkState.LINGER:
             return []
         c = self.c
-        backlog = self._backlog
+        backlog = self.queued
         send = self._send
         closing = state is LinkState.CLOSING
         while backlog:
@@ -440,13 +457,19 @@ class NativeSession:
         self._posted()
         self._check_c()
         if self.error is None and self.state is LinkState.CLOSING and not backlog:
-            if self._need_fence:
+            if self.need_fence:
                 if self._lib.aiordma_chan_marker(c, KIND_FENCE) == 0:
-                    self._need_fence = False
+                    self.need_fence = False
                     self._posted()
             elif not c.close_seq and not c.close_sent:
                 self._close_reached()
         return []
+
+    def close(self, final: bytes) -> None:
+        if final:
+            self.queue([final])
+        self.begin_close()
+        self.flush()
 
     # -- receiving (the poller processes completions in C; see link.on_native) ------------------
 
@@ -456,7 +479,7 @@ class NativeSession:
             self._check_c()
         if events & EVT_CLOSE_SENT and self.state is LinkState.CLOSING:
             self._set_state(next_state(self.state, LinkInput.CLOSE_SENT))
-        if events & EVT_ROOM and (self._backlog or self._need_fence):
+        if events & EVT_ROOM and (self.queued or self.need_fence):
             self.flush()
 
     @property
@@ -474,8 +497,32 @@ class NativeSession:
         c.withheld = 0
         return True
 
+    def reader_took(self, buffered: int) -> None:
+        c = self.c
+        if (c.unread >= self._quarter or c.withheld) and self.consumed(buffered):
+            self.flush()
+
+    def release_withheld(self) -> None:
+        if self.c.withheld and self.consumed(0):
+            self.flush()
+
     def take_deferred(self) -> list[tuple[int, int, int, int, int, int]]:
         return []  # early bytes are delivered by C and kept by the link
+
+    def complete(self, entries: Sequence[tuple[int, int, int, int, int, int]], buffered: int) -> list[memoryview]:
+        """Completions polled in Python: C routes every one of ours by the cid in its wr_id, so
+        one here names no work request of ours -- something posted behind our back, and the
+        QP's state is unknown: the session fails."""
+        wr_id, status = entries[0][0], entries[0][1]
+        if status:
+            name = wc_status_name(status)
+            self.fail(RDMAError(5, "RDMA send", f"wr_id={wr_id:#x} {name}", wc_status=name))
+        else:
+            self.fail(RDMAError(5, "ibv_poll_cq", f"a completion for nothing outstanding (wr_id={wr_id:#x})"))
+        return []
+
+    def settle(self) -> None:
+        self.flush()
 
     # -- one-sided RDMA READ / WRITE --------------------------------------------------------
 

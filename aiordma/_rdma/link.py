@@ -52,21 +52,21 @@ from .._io.backends import IOBackend, Watch, current_io
 from .._proto.protocol import CLOSE_FIXED, Chunk, CloseCode, FrameType, frame
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
-from .constants import MTU_TO_ENUM, Opcode, SendWR, wc_status_name
+from .checked import CheckedSession
+from .constants import MTU_TO_ENUM
+from .datapath import ChanView, DataPath
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .remote import RemoteOps, _Exposed
-from .session import KIND_PROBE, KIND_SHIFT, RdmaSession, Ring, SendWork
+from .session import Ring
 from .states import LinkState
 
 __all__ = ["RdmaLink", "local_ip_of", "peer_ip_of"]
 
 log = logging.getLogger("aiordma")
 
-_SIGNALED = 2
-_SOLICITED = 4
-_EVENTS_BESIDES_DATA = ~(EVT_DATA | EVT_ROOM)
+_EVENTS_BESIDES_ROOM = ~(EVT_DATA | EVT_ROOM)
 #: what a closing side writes on the TCP connection once its CLOSE was delivered in-band and the peer
 #: READ all it staged (docs/protocol.md, "Closing an RDMA connection"); ends the TCP connection's silence
 _GOODBYE = frame(FrameType.CLOSE, CLOSE_FIXED.pack(CloseCode.NORMAL))
@@ -109,7 +109,11 @@ class RdmaLink(RemoteOps, Link):
         self.qp: Any = None
         self.recv_mr: Any = None
         self.send_mr: Any = None
-        self.session: Any = None  # RdmaSession (checked) or NativeSession
+        #: the connection's session (it decides what to post, and posts): see datapath.py
+        self.session: DataPath | None = None
+        #: the same session when it is the native one (its completions are processed in C: on_native)
+        self.native: NativeSession | None = None
+        self._chan: ChanView | None = None  # (the native session's C struct, read in a wake)
         self.control: ControlLink | None = None
         self.peer: RdmaParams | None = None
         self._cq_reserved = 0
@@ -135,7 +139,6 @@ class RdmaLink(RemoteOps, Link):
         self._step = "device"
         self.qp_num = 0
         self._active = False
-        self._native = False
         self.cid = 0  # the poller's index of our native chan (0: none)
         self._counted = False  # counted in the poller's modes (and checked connections)
         self._mode = "event"
@@ -212,20 +215,20 @@ class RdmaLink(RemoteOps, Link):
         self.recv_mr = scope.take_region(buffers * cfg.buffer_size)
         ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
         poller = device.poller
-        self._native = cfg.use_native(poller.native is not None)
         self._mode = cfg.poll_mode
-        if self._native:
+        if cfg.use_native(poller.native is not None):
             self.cid, gen = poller.add_native(self)
-            self.session = NativeSession(
+            self.session = self.native = native = NativeSession(
                 window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
                 rq_depth=int(caps.max_recv_wr), qp=qp, cid=self.cid, gen=gen,
             )  # fmt: skip
+            self._chan = native.c
             poller.ensure_buffer(cfg.buffer_size)
-            poller.set_chan(self.cid, self.session.c)
+            poller.set_chan(self.cid, native.c)
         else:
-            self.session = RdmaSession(
+            self.session = CheckedSession(
                 window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
-                rq_depth=int(caps.max_recv_wr),
+                rq_depth=int(caps.max_recv_wr), qp=qp,
             )  # fmt: skip
             poller.add_checked(1)
         poller.add_mode(self._mode)
@@ -236,9 +239,7 @@ class RdmaLink(RemoteOps, Link):
         self._enter("post")
         poller.routes[self.qp_num] = self
         self._routed = True
-        work = self.session.initial_receives()
-        if work:
-            self._post_recv(work)
+        self.session.post_receives()
         self.mtu = min(4096, device.active_mtu)
         self.psn = random.randrange(1 << 24)
 
@@ -255,7 +256,7 @@ class RdmaLink(RemoteOps, Link):
             control=cfg.control,
             buffer_size=cfg.buffer_size,
             rd_atom=qp_setup.rd_atom_of(self.device) if self.device is not None else 1,
-            reads_rendezvous=self._native,  # (the native path READs what the peer staged)
+            reads_rendezvous=self.native is not None,  # (the native path READs what the peer staged)
         ))  # fmt: skip
 
     def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
@@ -306,10 +307,7 @@ class RdmaLink(RemoteOps, Link):
         self._enter("probe")
         wanted = self._want_sends()
         try:
-            if self._native:
-                session.probe_work()  # posts
-            else:
-                self._post_send([session.probe_work()])
+            session.post_probe()
             with anyio.fail_after(self.config.setup_timeout):
                 await self.backend.probe_delay()
                 while session.probe_status is None and session.error is None:
@@ -333,70 +331,25 @@ class RdmaLink(RemoteOps, Link):
         core.transport = "rdma"
         core.fallback_reason = ""
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
-        if self._native and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
+        if self.native is not None and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
             core.rndv_min = self.config.rendezvous
         core.rendezvous = self  # (it READs what the peer stages, when its HELLO said so)
         self._control_watch = control.hand_over(self.io, self._on_control)
-        if self._native:
-            early, self._early = self._early, []
-            for data in early:
-                core.feed(data)
-            if early:
-                self._parking.unpark_all()
-            return
-        deferred = session.take_deferred()
+        early, self._early = self._early, []  # (the native path: delivered in C before the switch)
+        for data in early:
+            core.feed(data)
+        if early:
+            self._parking.unpark_all()
+        deferred = session.take_deferred()  # (the checked path: completions kept before the switch)
         if deferred:
             self.on_completions(deferred)
-
-    # -- posting (the one place that calls the QP on the data path) --------------------------
-
-    def _post_send(self, work: list[SendWork]) -> None:
-        qp = self.qp
-        try:
-            if len(work) == 1:
-                wr_id, addr, length, lkey, imm, flags = work[0]
-                if wr_id >> KIND_SHIFT & 0x7F == KIND_PROBE:
-                    qp.post_send(SendWR(Opcode.RDMA_WRITE, wr_id, signaled=True))
-                else:
-                    qp.post_send_imm(wr_id, addr, length, lkey, imm, flags)
-            else:
-                qp.post_send_batch(
-                    [
-                        SendWR(Opcode.RDMA_WRITE, wr_id, signaled=True)
-                        if wr_id >> KIND_SHIFT & 0x7F == KIND_PROBE
-                        else SendWR(Opcode.SEND_WITH_IMM, wr_id, addr, length, lkey, imm_data=imm,
-                                    signaled=bool(flags & _SIGNALED), solicited=bool(flags & _SOLICITED))
-                        for wr_id, addr, length, lkey, imm, flags in work
-                    ]
-                )  # fmt: skip
-        except (RDMAError, OSError) as exc:
-            # a refused post (or one without a precise bad_wr) leaves the QP in an
-            # unknown state: it is fatal, and what was handed out stays the
-            # device's until the QP is destroyed
-            assert self.session is not None
-            self.session.fail(exc)
-            self._broke()
-
-    def _post_recv(self, work: list[tuple[int, int, int]]) -> None:
-        qp = self.qp
-        lkey = self.recv_mr.lkey
-        try:
-            if len(work) == 1:
-                wr_id, addr, length = work[0]
-                qp.post_recv_one(addr, length, lkey, wr_id)
-            else:
-                qp.post_recv_batch([w[1] for w in work], [w[2] for w in work], lkey, [w[0] for w in work])
-        except (RDMAError, OSError) as exc:
-            assert self.session is not None
-            self.session.fail(exc)
-            self._broke()
 
     # -- pushed by the poller ------------------------------------------------------------
 
     def _want_sends(self) -> bool:
         """Native path: a task waits for a send completion; the CQ is armed for every completion."""
         device = self.device
-        if not self._native or device is None or device.closed:
+        if self.native is None or device is None or device.closed:
             return False
         device.poller.want_sends(1)
         return True
@@ -407,9 +360,9 @@ class RdmaLink(RemoteOps, Link):
 
     def on_native(self, view: memoryview | None, early: int) -> None:
         """The poller's wake processed our completions in C (native path): ``view`` is the bytes
-        delivered (valid only during this call), ``c.events`` what else happened."""
-        session = self.session
-        c = session.c
+        delivered (valid only during this call), the chan's ``events`` what else happened."""
+        session, c = self.native, self._chan
+        assert session is not None and c is not None  # (the poller routes native links only here)
         events = c.events
         c.events = 0
         had_error = session.error is not None
@@ -433,28 +386,21 @@ class RdmaLink(RemoteOps, Link):
                 self._os_done[seq] = status
         if self._stream_fetch is not None:
             self._stream_fetch_step()
-        blocked = c.blocked == BLOCK_SQ
-        if events & _EVENTS_BESIDES_DATA or (events & EVT_ROOM and (session._backlog or session._need_fence or blocked)):
+        if events & _EVENTS_BESIDES_ROOM or (events & EVT_ROOM and (session.queued or session.need_fence)):
             session.on_events(events)
-            blocked = c.blocked == BLOCK_SQ
-        if blocked or self._sq_wanted:
+        if c.blocked == BLOCK_SQ or self._sq_wanted:
             self._track_sq()
         if session.error is not None and not had_error:
             self._broke()
         self._parking.unpark_all()
 
     def _track_sq(self) -> None:
-        """Native path: while posting waits for room that only a send completion makes (the send
-        queue or ring is full, with a backlog or a credit owed), the CQ is armed for every
+        """While posting waits for room that only a send completion makes (the native path's
+        send queue or ring is full, with a backlog or a credit owed), the CQ is armed for every
         completion -- also when no task waits (asyncio's ``write()`` without ``drain()``, a credit
-        SEND due).  Called after every wake and send that may change it."""
+        SEND due).  Called after every wake and post that may change it."""
         session = self.session
-        c = session.c
-        need = (
-            session.error is None
-            and c.blocked == BLOCK_SQ
-            and bool(session._backlog or c.to_return > 0 or session._need_fence)
-        )
+        need = session is not None and session.wants_send_completions
         if need == self._sq_wanted:
             return
         self._sq_wanted = need
@@ -464,29 +410,23 @@ class RdmaLink(RemoteOps, Link):
         else:
             self._unwant_sends(True)
 
+    def _posted(self, session: DataPath) -> None:
+        """After a call that posts: the CQ follows what posting waits for; a refused post fails the Core."""
+        self._track_sq()
+        if session.error is not None:
+            self._broke()
+
     def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
+        """Completions polled in Python (the checked path; on the native path, one that C could
+        not route to a work request of ours)."""
         session = self.session
         assert session is not None
-        if self._native:
-            # a completion of our QP that names no work request of ours (C routes ours by
-            # the cid in the wr_id): something posted behind our back; the QP's state is unknown
-            had_error = session.error is not None
-            wr_id, status = entries[0][0], entries[0][1]
-            if status:
-                name = wc_status_name(status)
-                session.fail(RDMAError(5, "RDMA send", f"wr_id={wr_id:#x} {name}", wc_status=name))
-            else:
-                session.fail(RDMAError(5, "ibv_poll_cq", f"a completion for nothing outstanding (wr_id={wr_id:#x})"))
-            if not had_error:
-                self._broke()
-            self._parking.unpark_all()
-            return
         had_error = session.error is not None
         if not self._active:  # set-up (the probe's completion; early SENDs are kept), or abandoned
-            session.on_completions(entries, 0)
+            session.complete(entries, 0)
         else:
             core = self.core
-            views, reposts = session.on_completions(entries, core.buffered)
+            views = session.complete(entries, core.buffered)
             if views:
                 feed = core.feed
                 for view in views:
@@ -494,13 +434,9 @@ class RdmaLink(RemoteOps, Link):
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
                 elif core.closed and session.withheld:
-                    session.consumed(0)  # (closed: what arrives is dropped, credits flow)
-            if reposts and session.error is None:
-                self._post_recv(reposts)
+                    session.release_withheld()  # (closed: what arrives is dropped, credits flow)
             if session.error is None:
-                work = session.flush()
-                if work:
-                    self._post_send(work)
+                session.settle()
         if session.error is not None and not had_error:
             self._broke()
         self._parking.unpark_all()
@@ -636,15 +572,12 @@ class RdmaLink(RemoteOps, Link):
         if fetch is not None and not fetch[2]:
             # a reader waits although much is buffered: it wants more (a long line): READ it now
             self._stream_fetch_step(force=True)
-        if (session.c.withheld if self._native else session.withheld):
+        chan = self._chan
+        if chan.withheld if chan is not None else session.withheld:
             # a reader waits although much is buffered (a long line, a large
             # message): it wants more, so the peer gets its credits back
-            session.consumed(0)
-            work = session.flush()
-            if work:
-                self._post_send(work)
-            if self._native:
-                self._track_sq()
+            session.release_withheld()
+            self._posted(session)
         if not self._watched and self._probing:
             self._watch_liveness()
         if parking.wakes != wakes:
@@ -658,27 +591,27 @@ class RdmaLink(RemoteOps, Link):
         fetch = self._stream_fetch
         if fetch is not None and not fetch[2]:
             self._stream_fetch_step()  # a deferred rendezvous READ: the reader took some
-        if self._native:
-            c = session.c
-            if (c.unread >= session._quarter or c.withheld) and session.consumed(self.core.buffered):
-                session.flush()
-                self._track_sq()
-            self.needs_consumed = c.withheld != 0 or self._stream_fetch is not None
+        if session is None:
             return
-        if session is not None and session.withheld and session.consumed(self.core.buffered):
-            work = session.flush()
-            if work:
-                self._post_send(work)
+        session.reader_took(self.core.buffered)
+        self._posted(session)
+        if self._chan is not None:  # (the native path: only while C withholds credits)
+            self.needs_consumed = self._chan.withheld != 0 or self._stream_fetch is not None
 
     def _check_usable(self) -> None:
         core = self.core
-        if core.closed or self._closing:
-            raise ClosedResourceError
-        if core.error is not None:
-            raise core.broken()
         session = self.session
-        if session is None or session.error is not None:
-            raise BrokenResourceError("the RDMA connection failed")
+        if core.closed or self._closing or core.error is not None or session is None or session.error is not None:
+            raise self._unusable()
+
+    def _unusable(self) -> BaseException:
+        """Why this connection takes no more sends (closed, or its error)."""
+        core = self.core
+        if core.closed or self._closing:
+            return ClosedResourceError()
+        if core.error is not None:
+            return core.broken()
+        return BrokenResourceError("the RDMA connection failed")
 
     def _check_sendable(self) -> None:
         """``_check_usable`` for a sender's wait: once the peer's CLOSE came (in-band, after its
@@ -690,62 +623,24 @@ class RdmaLink(RemoteOps, Link):
         if peer_close is not None:
             raise BrokenResourceError(f"the peer closed the connection: {peer_close.reason or 'normal close'}")
 
-    def _queue_and_post(self, chunks: Sequence[Chunk]) -> tuple[Any, int]:
-        """Queue ``chunks`` and post what credits and slots allow now; returns the byte mark that ends them."""
-        self._check_usable()
-        session = self.session
-        assert session is not None
-        if self._native:
-            end = session.send_now(chunks)
-            if session.error is not None and not self._closing:
-                self._broke()
-            self._track_sq()
-            return session, end
-        end = session.queue(chunks)
-        work = session.flush()
-        if work:
-            self._post_send(work)
-        return session, end
-
     async def send(self, chunks: Sequence[Chunk]) -> None:
+        """The session posts what credits and slots allow now (the native one in one C call);
+        the rest waits here until it is posted.  A cancelled wait still sends the bytes, whole:
+        what is not posted yet is copied out of the caller's buffers."""
         session = self.session
-        if (
-            self._native
-            and session.error is None
-            and not self._closing
-            and self.core.error is None
-            and not self.core.closed
-        ):
-            # the fast path: one C call posts it all (or what credits and slots allow)
-            if len(chunks) == 1 and type(chunks[0]) is bytes and not session._backlog:
-                data = chunks[0]  # (a small frame: the protocol joined header and payload)
-                n = len(data)
-                session.enqueued += n
-                c = session.c
-                taken = session._send(c, data, n, b"", 0, 0)
-                if session.record is not None:  # the simulated wire posts what C recorded
-                    session.record(c)
-                    if c.error:
-                        session._check_c()
-                        taken = -1 if taken == n else taken
-                if taken == n:
-                    return
-                end = session.after_partial(data, n, taken)
-            else:
-                end = session.send_now(chunks)
-            self._track_sq()
-            if session.error is None:
-                if session.c.posted_bytes >= end:
-                    return
-            else:
-                self._broke()
-        else:
-            session, end = self._queue_and_post(chunks)
+        core = self.core
+        if session is None or session.error is not None or self._closing or core.error is not None or core.closed:
+            raise self._unusable()
+        end = session.send(chunks)
+        if not end:
+            return  # (all of it posted: the common case)
+        self._posted(session)
         if session.error is not None:
             self._check_usable()  # the post failed: raises
-        await self._wait_posted(session, end)
+        if session.posted_bytes < end:
+            await self._wait_posted(session, end)
 
-    async def _wait_posted(self, session: Any, end: int) -> None:
+    async def _wait_posted(self, session: DataPath, end: int) -> None:
         """Wait until the bytes up to ``end`` are posted; a cancelled wait still sends them, whole."""
         wanted = False
         try:
@@ -758,11 +653,11 @@ class RdmaLink(RemoteOps, Link):
         finally:
             self._unwant_sends(wanted)
 
-    async def _wait_to_post(self, session: Any, wanted: bool) -> bool:
+    async def _wait_to_post(self, session: DataPath, wanted: bool) -> bool:
         """One step of a sender's wait until its bytes are posted (``send``, ``drain``).  Returns
         whether the CQ is armed for every completion on its behalf (``wanted``: the caller
         disarms it once, at the end)."""
-        if self._native and session.blocked_on_sends:
+        if session.blocked_on_sends:
             if not wanted:
                 # only a send completion frees the send queue or ring: be woken by ours (no wait
                 # now: the pass it made may have freed room already)
@@ -805,18 +700,14 @@ class RdmaLink(RemoteOps, Link):
             return
         if session.probe_outstanding:
             return  # the last probe has not completed: the retry budget is running
-        if self._native:
-            session.probe_work()  # (posts; with the send queue full it does not, and that is fine:
-            # what fills it times out by itself)
-            if session.error is not None:
-                self._broke()
-                self._wake_all()
-                return
-            if not self._probe_wanted and session.probe_outstanding:
-                # (a failed probe must wake the poller: its completion is not solicited)
-                self._probe_wanted = self._want_sends()
-        elif session.sq_used < session.sq_depth:
-            self._post_send([session.probe_work()])
+        session.post_probe()  # (with the send queue full it does not: what fills it times out by itself)
+        if session.error is not None:
+            self._broke()
+            self._wake_all()
+            return
+        if not self._probe_wanted and session.probe_outstanding:
+            # (a failed probe must wake the poller: its completion is not solicited)
+            self._probe_wanted = self._want_sends()
 
     # the non-blocking API (aiordma._conn.nowait.NowaitLink: asyncio's front ends) ------------
 
@@ -835,10 +726,16 @@ class RdmaLink(RemoteOps, Link):
         return False  # (a push of its own would cost every wake: front ends wait on incoming())
 
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
-        """Queue and post what can be posted now; ``drain`` waits for the rest."""
-        before = self.session.enqueued if self.session is not None else 0
-        session, end = self._queue_and_post(chunks)
-        session.detach(end, end - before)
+        """Queue and post what can be posted now; ``drain`` waits for the rest (which is copied
+        out of the caller's buffers: they are the caller's again when this returns)."""
+        self._check_usable()
+        session = self.session
+        assert session is not None
+        before = session.enqueued
+        end = session.send(chunks)
+        if end:
+            self._posted(session)
+            session.detach(end, end - before)
 
     @property
     def paused_writing(self) -> bool:
@@ -879,7 +776,7 @@ class RdmaLink(RemoteOps, Link):
     @property
     def one_sided_rdma(self) -> bool:  # type: ignore[override]
         """Whether one-sided operations run on the NIC (the native path; see ``remote.py``)."""
-        return self._native and self._active and self.session is not None
+        return self.native is not None and self._active
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -974,16 +871,8 @@ class RdmaLink(RemoteOps, Link):
         assert session is not None
         self._delivering = True
         self._release_withheld()  # this side reads no more: the peer's sends (its RNDV_DONEs) must flow
-        if final:
-            session.queue([final])
-        session.begin_close()
-        work = session.flush()
-        if work:
-            self._post_send(work)
-        if self._native:
-            self._track_sq()
-        if session.error is not None:
-            self._broke()
+        session.close(final)
+        self._posted(session)
         while True:
             # the peer closed (its CLOSE came, or its goodbye: it closed in order after ours): it reads
             # no more, and the regions it has not READ are done with
@@ -1010,12 +899,9 @@ class RdmaLink(RemoteOps, Link):
         session = self.session
         if session is None or session.error is not None:
             return
-        if session.withheld and session.consumed(0):
-            work = session.flush()
-            if work:
-                self._post_send(work)
-            if self._native:
-                self._track_sq()
+        if session.withheld:
+            session.release_withheld()
+            self._posted(session)
 
     async def _teardown(self) -> None:
         """QP to ERROR, wait for the flushes (bounded), then destroy and release (see the module docs)."""
@@ -1070,7 +956,7 @@ class RdmaLink(RemoteOps, Link):
             if self._counted:
                 self._counted = False
                 poller.add_mode(self._mode, -1)
-                if not self._native:
+                if self.native is None:
                     poller.add_checked(-1)
             if self._local_peer:
                 self._local_peer = False

@@ -23,6 +23,7 @@ from .._conn.memory import count_staged, find_registered, release_pinned, reserv
 from .._errors import RDMAError
 from .._proto.onesided import READ, WRITE, RemoteMemoryError
 from .constants import Access, WCStatus, wc_status_name
+from .datapath import OneSidedPath
 
 __all__ = ["RemoteOps"]
 
@@ -56,11 +57,10 @@ class RemoteOps:
 
     if TYPE_CHECKING:  # (what the link has)
         core: Core
-        session: Any
+        native: OneSidedPath | None
         scope: Any
         qp: Any
         device: Any
-        _native: bool
         _active: bool
         _qp_access: int
         _exposed: dict[int, _Exposed]
@@ -107,7 +107,7 @@ class RemoteOps:
             return None, int(mr.rkey)
         mw = scope.pd.alloc_mw()
         try:
-            session = self.session
+            session = self._onesided()
 
             def post() -> int:
                 seq: int
@@ -310,7 +310,7 @@ class RemoteOps:
         fetch = self._stream_fetch
         assert fetch is not None
         rv, region, seq, _wanted = fetch
-        session = self.session
+        session = self.native
         if not seq:
             if rv.length == 0:
                 self._stream_fetch_done(0)
@@ -390,8 +390,15 @@ class RemoteOps:
         finally:
             scope.give_region(region)  # (as in rdma(): the WR is done)
 
+    def _onesided(self) -> OneSidedPath:
+        """The session that posts one-sided work requests (the native path's)."""
+        session = self.native
+        if session is None:
+            raise BrokenResourceError("one-sided operations need the native path (RdmaConfig.hot_path)")
+        return session
+
     async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
-        session = self.session
+        session = self._onesided()
         status = await self._post_and_wait(lambda: session.post_onesided(write, laddr, length, lkey, raddr, rkey))
         if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
             # the connection failed (or our NIC gave up on a silent peer): not the memory's fault

@@ -177,7 +177,7 @@ class RdmaSession:
         self.sq_depth = 0
         self.sq_used = 0  # send work requests not yet retired
         self.max_inline = 0
-        self.send: Ring | None = None
+        self.send_ring: Ring | None = None
         self.send_size = 0
         self._every = 1
         self._run = 0  # sends posted since the last signaled one
@@ -231,7 +231,7 @@ class RdmaSession:
         self.peer = peer
         self.credits = Credits(peer.window, peer.control, local_window=self.window, local_control=self.control)
         self.sq_depth = sq_depth
-        self.send = send
+        self.send_ring = send
         self.send_size = min(peer.buffer_size, send.slot_size)
         self.max_inline = min(max_inline, self.send_size)  # (inline sends: not used yet)
         self._every = max(1, min(signal_every, sq_depth // 2, max(1, send.count // 2)))
@@ -317,7 +317,7 @@ class RdmaSession:
             if self._need_fence and self.sq_used < self.sq_depth:
                 out.append(self._fence_work())
             return out
-        ring = self.send
+        ring = self.send_ring
         assert ring is not None
         size = self.send_size
         mem = ring.mem
