@@ -231,8 +231,7 @@ async def test_a_cancelled_operation_never_leaves_the_nic_with_the_buffer(anyio_
                             outcomes.add("done")
                     if scope.cancelled_caught:
                         outcomes.add("cancelled")
-                    link = b._core.link
-                    assert not getattr(link, "os_inflight", ()), "the call returned while its WR was still posted"
+                    assert not getattr(b._core.nic, "os_inflight", ()), "the call returned while its WR was still posted"
                     assert not local.busy, "a cancelled operation returned while the NIC may use its buffer"
                 finally:
                     local.close()  # raises BufferBusyError if it is still the device's
@@ -426,8 +425,7 @@ async def test_a_cancelled_receive_of_a_rendezvous_loses_nothing(anyio_backend: 
                 cancelled += 1
                 assert await b.receive() == big  # still there, whole
         assert cancelled
-        link = a._core.link
-        assert getattr(link, "rndv_staged", 0) == 0  # every staged region came back
+        assert getattr(a._core.nic, "rndv_staged", 0) == 0  # every staged region came back
 
 
 async def test_large_stream_writes_go_by_rendezvous_in_order(anyio_backend: Any, kind: str) -> None:
@@ -477,7 +475,7 @@ async def test_a_cancelled_rendezvous_send_is_whole_or_absent(anyio_backend: Any
                     break
                 assert got == big, "a cancelled send arrived cut"
         with anyio.fail_after(10):
-            while getattr(a._core.link, "rndv_staged", 0):
+            while getattr(a._core.nic, "rndv_staged", 0):
                 await a.send(b"")  # (each send lets the link take the peer's RNDV_DONEs)
                 assert await b.receive() == b""
 
@@ -519,7 +517,7 @@ async def test_a_failed_connection_releases_an_operation_the_peer_never_acknowle
                     tg.start_soon(write)
                     for _ in range(20):
                         await anyio.lowlevel.checkpoint()
-                    assert b._core.link.os_inflight, "the WRITE is waiting for its ACK"  # type: ignore[union-attr]
+                    assert b._core.nic.os_inflight, "the WRITE is waiting for its ACK"  # type: ignore[union-attr]
                     raw = a._core.link.control.extra_attributes[SocketAttribute.raw_socket]()  # type: ignore[union-attr]
                     with socket.socket(fileno=os.dup(raw.fileno())) as sock:  # (uvloop's socket has no shutdown)
                         sock.shutdown(socket.SHUT_RDWR)  # the peer's end of the TCP link goes

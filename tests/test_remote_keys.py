@@ -140,9 +140,9 @@ async def test_a_rendezvous_rkey_dies_at_rndv_done(anyio_backend: Any, env: Env)
         rv: Any = core.messages[0]
         assert not isinstance(rv, bytes) and rv.rkey  # (a rendezvous)
         assert await a_client.receive() == message  # READ, then RNDV_DONE
-        server_link: Any = a_server._core.link
+        server_nic: Any = a_server._core.nic
         with anyio.fail_after(20):
-            while server_link.rndv_staged:  # the server took the RNDV_DONE: the grant is gone
+            while server_nic.rndv_staged:  # the server took the RNDV_DONE: the grant is gone
                 await anyio.sleep(0.01)
         raw_rdma(a_client, False, rv.addr, rv.rkey, 4096)  # the old rkey, the right QP
         cause = await the_connection_fails(a_client)
@@ -182,11 +182,11 @@ async def test_a_read_only_bytes_exposure_works_over_rdma(anyio_backend: Any, en
 async def test_a_qp_lets_its_peer_read_only_once_it_granted_a_read(anyio_backend: Any, env: Env) -> None:
     async with two_connections(env) as [(a_client, a_server), _other]:
         link: Any = a_server._core.link
-        assert not link._qp_access & Access.REMOTE_READ  # a fresh connection: no remote READ at all
+        assert not link.remote.qp_access & Access.REMOTE_READ  # a fresh connection: no remote READ at all
         if env.fabric is not None:
             assert not link.qp._access & Access.REMOTE_READ
         async with a_server.expose(bytearray(4096), read=True) as remote:
-            assert link._qp_access & Access.REMOTE_READ
+            assert link.remote.qp_access & Access.REMOTE_READ
             await a_server.send(remote.to_bytes())
             await a_client.receive()
         assert (link.scope is link.device) == (env.kind != "sim-own-pd")  # which scoping the device has

@@ -40,13 +40,13 @@ from __future__ import annotations
 import abc
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
 from .._errors import AuthenticationError, BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .._io.backends import IOBackend, Watch, current_checkpoint
-from .._proto.onesided import STREAM_RENDEZVOUS_MAX, OneSided
+from .._proto.onesided import STREAM_RENDEZVOUS_MAX, OneSided, Rendezvous
 from .._proto.protocol import (
     Chunk,
     CloseCode,
@@ -62,7 +62,7 @@ from .._proto.protocol import (
     Mode,
 )
 
-__all__ = ["Core", "Link", "ControlLink", "RendezvousLink"]
+__all__ = ["Core", "Link", "ControlLink", "NicOps", "NicRegion"]
 
 _OPEN = Half.OPEN
 
@@ -110,9 +110,6 @@ class Link(Protocol):
         """Queue control frames (answers the Core makes while it is fed) to be sent in order,
         without waiting; raises if the link is gone."""
 
-    #: whether one-sided operations run on the NIC (an RDMA link); else MEMORY frames carry them
-    one_sided_rdma: bool = False
-
     @property
     @abc.abstractmethod
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]: ...
@@ -138,17 +135,71 @@ class ControlLink(Link, Protocol):
         ...
 
 
-class RendezvousLink(Protocol):
-    """A link that moves large messages by rendezvous (the RDMA link, once it took the Core over:
-    it sets ``Core.rendezvous``, and ``Core.rndv_min`` when the peer READs what we stage)."""
+class NicRegion(Protocol):
+    """Registered memory the NIC reaches (a staging region, an exposure): where it starts, and
+    a view of its bytes (release the view before the region goes back)."""
 
-    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
-        """Send ``data`` (a message, or stream bytes) by rendezvous: staged, READ by the peer."""
+    @property
+    def addr(self) -> int: ...
+
+    def view(self, offset: int = 0, length: int | None = None) -> memoryview: ...
+
+
+class NicOps(Protocol):
+    """What the Core asks of a connection whose one-sided operations run on the NIC: the RDMA
+    link's native path, once it carries the Core (it sets ``Core.nic``, and ``Core.rndv_min``
+    when the peer READs what we stage).  Without one, MEMORY frames carry one-sided operations
+    and no rendezvous is used.  Every wait is a cancel point; local memory handed to the NIC is
+    the device's until its completion is polled, also when the wait is cancelled."""
+
+    #: bytes staged for the peer to READ, and how many may be at once
+    rndv_staged: int
+    rndv_limit: int
+
+    async def expose_region(self, view: memoryview, access: int) -> NicExposure:
+        """Register ``view`` for the peer alone to reach (``READ``/``WRITE`` of ``_proto.onesided``)."""
         ...
 
-    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
-        """READ a rendezvous message: into ``view`` (returns its length) or new ``bytes``."""
+    def release_region(self, exposed: NicExposure) -> None:
+        """End an exposure: its rkey dies, its registration goes (idempotent)."""
+
+    async def rdma(self, write: bool, view: memoryview, raddr: int, rkey: int) -> None:
+        """RDMA WRITE ``view`` to the peer's ``[raddr, rkey]``, or READ into it; returns once completed."""
+
+    async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
+        """RDMA READ ``n`` bytes and return them."""
         ...
+
+    def stream_fetch(self, rv: Rendezvous) -> None:
+        """A byte stream's rendezvous: READ it (no task awaits it), then resume the protocol."""
+
+    def rndv_take(self, n: int) -> NicRegion:
+        """A region of at least ``n`` bytes to stage a message in."""
+        ...
+
+    async def rndv_grant(self, region: NicRegion, n: int) -> tuple[object, int]:
+        """Let the peer READ the first ``n`` bytes of ``region``, through this connection only:
+        ``(grant, rkey)``; on an error the region is given back."""
+        ...
+
+    def rndv_discard(self, region: NicRegion, grant: object) -> None:
+        """A staged region that is not announced after all: the grant dies, the region goes back."""
+
+    def rndv_hold(self, mid: int, region: NicRegion, grant: object) -> None:
+        """Message ``mid`` was announced: its region stays granted until the peer's RNDV_DONE."""
+
+    def rndv_release(self, mid: int) -> None:
+        """The peer READ message ``mid`` (its RNDV_DONE): the grant dies, the region may be reused."""
+
+
+class NicExposure(Protocol):
+    """An exposure on the NIC: what the peer is told (its address and rkey)."""
+
+    @property
+    def addr(self) -> int: ...
+
+    @property
+    def rkey(self) -> int: ...
 
 
 class Core:
@@ -176,8 +227,8 @@ class Core:
         self._memory: OneSided | None = None
         #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
         self.rndv_min = 1 << 62
-        #: the link that READs the peer's rendezvous messages and stages ours (the RDMA link sets it)
-        self.rendezvous: RendezvousLink | None = None
+        #: one-sided operations on the NIC, rendezvous (the RDMA link's native path sets it)
+        self.nic: NicOps | None = None
         link.attach(self)
 
     @property
@@ -200,7 +251,8 @@ class Core:
             self.send_memory_nowait(answer)
         if mem.rndv_arrived:
             arrived, mem.rndv_arrived = mem.rndv_arrived, []
-            if not self.link.one_sided_rdma:
+            nic = self.nic
+            if nic is None:
                 self.on_error(RemoteProtocolError("a rendezvous message on a connection that cannot READ it"))
                 return
             if self.proto.mode is Mode.MESSAGES:
@@ -209,11 +261,13 @@ class Core:
                 # (the protocol paused after it: one at a time; the link READs it into rbuf and
                 # resumes the protocol, see resume_after_rendezvous)
                 for rv in arrived:
-                    self.link.stream_fetch(rv)  # type: ignore[attr-defined]
+                    nic.stream_fetch(rv)
         if mem.rndv_done:
             done, mem.rndv_done = mem.rndv_done, []
-            for mid in done:
-                self.link.rndv_release(mid)  # type: ignore[attr-defined]
+            nic = self.nic
+            if nic is not None:
+                for mid in done:
+                    nic.rndv_release(mid)
 
     def send_memory_nowait(self, payload: bytes, *, after_peer_close: bool = False) -> None:
         """Send a MEMORY frame now (from a callback: an answer, a REVOKED).  Once the peer closed
@@ -365,11 +419,11 @@ class Core:
             self.link.consumed()
         return data
 
-    def _rendezvous(self) -> RendezvousLink:
-        link = self.rendezvous
-        if link is None:  # (the protocol refuses rendezvous frames a link could not READ)
+    def _nic(self) -> NicOps:
+        nic = self.nic
+        if nic is None:  # (the protocol refuses rendezvous frames a link could not READ)
             raise BrokenResourceError("a rendezvous message on a connection that cannot READ it")
-        return link
+        return nic
 
     async def receive_message(self) -> bytes:
         messages = self.messages
@@ -381,7 +435,8 @@ class Core:
             await self.link.incoming()
         data = messages.popleft()
         if data.__class__ is not bytes:  # a rendezvous: READ it now
-            got: bytes = await self._rendezvous().fetch_rendezvous(data)
+            got = await self._fetch_rendezvous(self._nic(), data)  # type: ignore[arg-type]  # (a Rendezvous)
+            assert isinstance(got, bytes)
             return got
         messages.nbytes -= len(data)
         if self.link.needs_consumed:
@@ -417,11 +472,12 @@ class Core:
             await self.link.incoming()
         data = messages[0]
         if data.__class__ is not bytes:  # a rendezvous: READ it into the caller's buffer
-            rv: Any = data
+            rv = cast(Rendezvous, data)  # (the sink holds a rendezvous in its message's place)
             if rv.length > view.nbytes:
                 raise BufferTooSmallError(rv.length, view.nbytes)
             messages.popleft()
-            n_got: int = await self._rendezvous().fetch_rendezvous(rv, view)
+            n_got = await self._fetch_rendezvous(self._nic(), rv, view)
+            assert isinstance(n_got, int)
             return n_got
         n = len(data)
         if n > view.nbytes:
@@ -438,7 +494,7 @@ class Core:
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
         if len(data) >= self.rndv_min:  # (a link that can stage it: rndv_min is set then)
-            await self._rendezvous().send_rendezvous(data)
+            await self._send_rendezvous(self._nic(), data)
             return
         if self.proto.mode is Mode.MESSAGES:
             chunks = self.proto.send_message(data)
@@ -446,6 +502,71 @@ class Core:
             chunks = self.proto.send_data(data)
         if chunks:
             await self.link.send(chunks)
+
+    # -- rendezvous: large messages by RDMA READ (the NIC's: ``Core.nic``) --------------------------
+
+    async def _send_rendezvous(self, nic: NicOps, data: bytes | bytearray | memoryview) -> None:
+        """Stage ``data`` in a region the peer may READ and announce it in the message's place.
+
+        One copy (into the staging region; the caller's buffer is free when this returns); the
+        receiver READs it straight into its buffer.  The region is granted to the peer, through
+        this connection's QP only, until its RNDV_DONE (then the grant dies); at most
+        ``nic.rndv_limit`` bytes are staged at once (this waits beyond)."""
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        n = view.nbytes
+        proto = self.proto
+        if proto.mode is not Mode.MESSAGES:
+            # a byte stream: in pieces of half the staging budget (so that the sender waits for the
+            # reader as over a socket), at most STREAM_RENDEZVOUS_MAX (what the receiver accepts)
+            piece = max(self.rndv_min, min(STREAM_RENDEZVOUS_MAX, nic.rndv_limit // 2))
+            for pos in range(0, n, piece):
+                await self._stage_and_announce(nic, view[pos : pos + piece])
+            return
+        if n > proto.peer_max_message:
+            raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
+        await self._stage_and_announce(nic, view)
+
+    async def _stage_and_announce(self, nic: NicOps, view: memoryview) -> None:
+        n = view.nbytes
+        while nic.rndv_staged and nic.rndv_staged + n > nic.rndv_limit:
+            self.check_send()
+            await self.link.incoming()
+        self.check_send()  # (the peer may have closed while this waited: BrokenResourceError, not a protocol error)
+        region = nic.rndv_take(n)
+        stage = region.view(0, n)
+        try:
+            stage[:] = view
+        finally:
+            stage.release()
+        grant, rkey = await nic.rndv_grant(region, n)  # (this QP only, until the peer's RNDV_DONE)
+        try:
+            self.check_send()  # (the peer may have closed while the grant was made)
+        except BaseException:
+            nic.rndv_discard(region, grant)
+            raise
+        mid, payload = self.memory.rendezvous(n, region.addr, rkey)
+        nic.rndv_hold(mid, region, grant)
+        await self.link.send([self.proto.send_memory(payload)])
+
+    async def _fetch_rendezvous(self, nic: NicOps, rv: Rendezvous, view: memoryview | None = None) -> bytes | int:
+        """READ a rendezvous message (into ``view``, else into new bytes), then tell the sender.
+
+        Cancelled (or failed) before it completed, the message goes back to the head of the queue:
+        nothing is lost, the next receive READs it again (the sender's region stays staged)."""
+        try:
+            if view is None:
+                data: bytes | int = await nic.rdma_read_bytes(rv.length, rv.addr, rv.rkey)
+            else:
+                await nic.rdma(False, view[: rv.length], rv.addr, rv.rkey)
+                data = rv.length
+        except BaseException:
+            if self.error is None and not self.closed:
+                self.messages.appendleft(rv)  # type: ignore[arg-type]  # (in its place)
+            raise
+        self.send_memory_nowait(self.memory.rendezvous_done(rv), after_peer_close=True)
+        return data
 
     async def send_eof(self) -> None:
         if self.closed:

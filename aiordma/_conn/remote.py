@@ -23,10 +23,9 @@ from typing import Any
 
 import anyio
 
-from .core import Core
-from .._proto.protocol import Mode
+from .core import Core, NicExposure
 from .memory import RegisteredMemory
-from .._proto.onesided import READ, STREAM_RENDEZVOUS_MAX, WRITE, Exposure, RemoteBuffer
+from .._proto.onesided import READ, WRITE, Exposure, RemoteBuffer
 
 __all__ = ["expose", "read", "write", "written", "REVOKE_TIMEOUT"]
 
@@ -71,11 +70,12 @@ async def expose(
     if not view.nbytes:
         raise ValueError("cannot expose an empty buffer")
     link = core.link
-    region: Any = None
+    nic = core.nic
+    region: NicExposure | None = None
     addr = rkey = 0
-    if link.one_sided_rdma:
-        region = await link.expose_region(view, access)  # type: ignore[attr-defined]
-        addr, rkey = int(region.addr), int(region.rkey)
+    if nic is not None:
+        region = await nic.expose_region(view, access)
+        addr, rkey = region.addr, region.rkey
     held = obj if isinstance(obj, RegisteredMemory) else None
     if held is not None:
         held.hold()
@@ -101,8 +101,8 @@ async def expose(
                 if exp is not None:
                     await _revoke(core, exp, revoke_timeout)
             finally:
-                if region is not None:
-                    link.release_region(region)  # type: ignore[attr-defined]
+                if region is not None and nic is not None:
+                    nic.release_region(region)
                 if held is not None:
                     held.unhold()
 
@@ -148,8 +148,9 @@ async def read(core: Core, remote: RemoteBuffer, into: Any, offset: int = 0, len
         if not n:
             return 0
         link = core.link
-        if link.one_sided_rdma and remote.rkey:
-            await link.rdma(False, view[:n], remote.addr + offset, remote.rkey)  # type: ignore[attr-defined]
+        nic = core.nic
+        if nic is not None and remote.rkey:
+            await nic.rdma(False, view[:n], remote.addr + offset, remote.rkey)
             return n
         step = mem.max_in
         pos = 0
@@ -188,8 +189,9 @@ async def write(core: Core, remote: RemoteBuffer, data: Any, offset: int = 0, no
         if not n:
             return
         link = core.link
-        if link.one_sided_rdma and remote.rkey:
-            await link.rdma(True, view, remote.addr + offset, remote.rkey)  # type: ignore[attr-defined]
+        nic = core.nic
+        if nic is not None and remote.rkey:
+            await nic.rdma(True, view, remote.addr + offset, remote.rkey)
             if notify:
                 await link.send([core.proto.send_memory(mem.notice(rec, offset, n))])
             return
@@ -227,75 +229,3 @@ async def written(core: Core, remote: RemoteBuffer) -> tuple[int, int]:
         core.check_receive()
         await core.link.incoming()
     return exp.notices.popleft()
-
-
-# -- rendezvous: large messages by RDMA READ (the native path) ------------------------------------
-
-
-async def send_rendezvous(core: Core, data: Any) -> None:
-    """Stage ``data`` in a region the peer may READ and announce it in the message's place.
-
-    One copy (into the staging region; the caller's buffer is free when this returns); the
-    receiver READs it straight into its buffer.  The region is granted to the peer, through this
-    connection's QP only, until its RNDV_DONE (then the grant dies);
-    at most ``RdmaConfig.rendezvous_inflight`` bytes are staged at once (this waits beyond)."""
-    view = _byte_view(data, writable=False)
-    n = view.nbytes
-    proto = core.proto
-    if proto.mode is not Mode.MESSAGES:
-        # a byte stream: in pieces of half the staging budget (so that the sender waits for the
-        # reader as over a socket), at most STREAM_RENDEZVOUS_MAX (what the receiver accepts)
-        piece = max(core.rndv_min, min(STREAM_RENDEZVOUS_MAX, core.link.rndv_limit // 2))  # type: ignore[attr-defined]
-        for pos in range(0, n, piece):
-            await _stage_and_announce(core, view[pos : pos + piece])
-        return
-    if n > proto.peer_max_message:
-        from .._errors import LocalProtocolError
-
-        raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
-    await _stage_and_announce(core, view)
-
-
-async def _stage_and_announce(core: Core, view: memoryview) -> None:
-    n = view.nbytes
-    proto = core.proto
-    link: Any = core.link
-    while link.rndv_staged and link.rndv_staged + n > link.rndv_limit:
-        core.check_send()
-        await link.incoming()
-    core.check_send()  # (the peer may have closed while this waited: BrokenResourceError, not a protocol error)
-    region = link.rndv_take(n)
-    stage = region.view(0, n)
-    try:
-        stage[:] = view
-    finally:
-        stage.release()
-    window, rkey = await link.rndv_grant(region, n)  # (this QP only, until the peer's RNDV_DONE)
-    try:
-        core.check_send()  # (the peer may have closed while the grant was made)
-    except BaseException:
-        link.rndv_discard(region, window)
-        raise
-    mid, payload = core.memory.rendezvous(n, int(region.addr), rkey)
-    link.rndv_hold(mid, region, window)
-    await link.send([proto.send_memory(payload)])
-
-
-async def fetch_rendezvous(core: Core, rv: Any, view: memoryview | None = None) -> bytes | int:
-    """READ a rendezvous message (into ``view``, else into new bytes), then tell the sender.
-
-    Cancelled (or failed) before it completed, the message goes back to the head of the queue:
-    nothing is lost, the next receive READs it again (the sender's region stays staged)."""
-    link: Any = core.link
-    try:
-        if view is None:
-            data: bytes | int = await link.rdma_read_bytes(rv.length, rv.addr, rv.rkey)
-        else:
-            await link.rdma(False, view[: rv.length], rv.addr, rv.rkey)
-            data = rv.length
-    except BaseException:
-        if core.error is None and not core.closed:
-            core.messages.appendleft(rv)
-        raise
-    core.send_memory_nowait(core.memory.rendezvous_done(rv), after_peer_close=True)
-    return data

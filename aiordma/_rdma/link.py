@@ -58,7 +58,7 @@ from .datapath import ChanView, DataPath
 from .device import Device, acquire_device, open_devices
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
-from .remote import RemoteOps, _Exposed
+from .remote import RemoteOps
 from .session import Ring
 from .states import LinkState
 
@@ -92,7 +92,7 @@ def peer_ip_of(link: Link) -> str | None:
     return _address(link, SocketAttribute.remote_address)
 
 
-class RdmaLink(RemoteOps, Link):
+class RdmaLink(Link):
     """One connection's QP, session and rings (see the module docs)."""
 
     core: Core
@@ -105,7 +105,6 @@ class RdmaLink(RemoteOps, Link):
         #: where this connection's memory lives: the device (shared PD, memory windows) or its own
         #: protection domain (a device without windows): see device.py
         self.scope: Any = None
-        self._qp_access = int(qp_setup.QP_ACCESS)  # what the peer may do on our QP (grows: _allow)
         self.qp: Any = None
         self.recv_mr: Any = None
         self.send_mr: Any = None
@@ -145,20 +144,10 @@ class RdmaLink(RemoteOps, Link):
         self._local_peer = False
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
         self._sq_wanted = False  # armed for send completions because posting waits for room (native)
-        self._os_done: dict[int, int] = {}  # one-sided WRs completed: seq -> wc status (native)
-        #: one-sided WRs posted whose completion nobody took yet (the device's: see rdma())
-        self.os_inflight: set[int] = set()
-        self._os_waiting = 0
-        self._exposed: dict[int, _Exposed] = {}  # id -> an exposure (its region and grant)
         #: called once when the teardown has released everything (a listener's budget)
         self.on_destroyed: list[Callable[[], None]] = []
-        # rendezvous: regions the peer may READ (this connection's only), staged or free
-        self._rndv_held: dict[int, tuple[Any, Any]] = {}  # message id -> (region, window)
-        self._rndv_free: dict[int, list[Any]] = {}
-        self.rndv_staged = 0
-        self.rndv_limit = backend.config.rendezvous_inflight
-        #: a byte stream's rendezvous being READ: [rendezvous, staging region, seq (0: not posted), wanted]
-        self._stream_fetch: list[Any] | None = None
+        #: one-sided operations, grants and rendezvous (the Core's ``nic`` on the native path)
+        self.remote = RemoteOps(self, qp_access=int(qp_setup.QP_ACCESS), rndv_limit=backend.config.rendezvous_inflight)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -305,17 +294,17 @@ class RdmaLink(RemoteOps, Link):
         session = self.session
         assert session is not None
         self._enter("probe")
-        wanted = self._want_sends()
+        wanted = self.want_sends()
         try:
             session.post_probe()
             with anyio.fail_after(self.config.setup_timeout):
                 await self.backend.probe_delay()
                 while session.probe_status is None and session.error is None:
-                    await self._wait()
+                    await self.park()
         except TimeoutError:
             raise RdmaSetupError("probe", f"no answer from the peer's QP within {self.config.setup_timeout} s") from None
         finally:
-            self._unwant_sends(wanted)
+            self.unwant_sends(wanted)
         if session.error is not None or session.probe_status:
             raise RdmaSetupError("probe", f"the path to the peer failed ({session.error})")
 
@@ -333,7 +322,8 @@ class RdmaLink(RemoteOps, Link):
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
         if self.native is not None and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
             core.rndv_min = self.config.rendezvous
-        core.rendezvous = self  # (it READs what the peer stages, when its HELLO said so)
+        if self.native is not None:
+            core.nic = self.remote  # (one-sided operations on the NIC; rendezvous when rndv_min is set)
         self._control_watch = control.hand_over(self.io, self._on_control)
         early, self._early = self._early, []  # (the native path: delivered in C before the switch)
         for data in early:
@@ -346,7 +336,7 @@ class RdmaLink(RemoteOps, Link):
 
     # -- pushed by the poller ------------------------------------------------------------
 
-    def _want_sends(self) -> bool:
+    def want_sends(self) -> bool:
         """Native path: a task waits for a send completion; the CQ is armed for every completion."""
         device = self.device
         if self.native is None or device is None or device.closed:
@@ -354,7 +344,7 @@ class RdmaLink(RemoteOps, Link):
         device.poller.want_sends(1)
         return True
 
-    def _unwant_sends(self, wanted: bool) -> None:
+    def unwant_sends(self, wanted: bool) -> None:
         if wanted and self.device is not None:
             self.device.poller.want_sends(-1)
 
@@ -374,7 +364,7 @@ class RdmaLink(RemoteOps, Link):
                 # taken some since the last wake); a reader's consumed() is only needed to
                 # release credits that C withheld
                 c.unread = len(core.rbuf) + core.messages.nbytes
-                self.needs_consumed = c.withheld != 0 or self._stream_fetch is not None
+                self.needs_consumed = c.withheld != 0 or self.remote.fetch is not None
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
                 elif core.closed and c.withheld:
@@ -382,16 +372,15 @@ class RdmaLink(RemoteOps, Link):
             elif early:
                 self._early.append(bytes(view))
         if events & EVT_ONESIDED:
-            for seq, status in session.take_onesided():
-                self._os_done[seq] = status
-        if self._stream_fetch is not None:
-            self._stream_fetch_step()
+            self.remote.completed(session.take_onesided())
+        if self.remote.fetch is not None:
+            self.remote.fetch_step()
         if events & _EVENTS_BESIDES_ROOM or (events & EVT_ROOM and (session.queued or session.need_fence)):
             session.on_events(events)
         if c.blocked == BLOCK_SQ or self._sq_wanted:
             self._track_sq()
         if session.error is not None and not had_error:
-            self._broke()
+            self.broke()
         self._parking.unpark_all()
 
     def _track_sq(self) -> None:
@@ -405,16 +394,16 @@ class RdmaLink(RemoteOps, Link):
             return
         self._sq_wanted = need
         if need:
-            if not self._want_sends():  # (it looks once: the room may be there already)
+            if not self.want_sends():  # (it looks once: the room may be there already)
                 self._sq_wanted = False
         else:
-            self._unwant_sends(True)
+            self.unwant_sends(True)
 
     def _posted(self, session: DataPath) -> None:
         """After a call that posts: the CQ follows what posting waits for; a refused post fails the Core."""
         self._track_sq()
         if session.error is not None:
-            self._broke()
+            self.broke()
 
     def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
         """Completions polled in Python (the checked path; on the native path, one that C could
@@ -438,7 +427,7 @@ class RdmaLink(RemoteOps, Link):
             if session.error is None:
                 session.settle()
         if session.error is not None and not had_error:
-            self._broke()
+            self.broke()
         self._parking.unpark_all()
 
     def on_fatal(self, exc: BaseException) -> None:
@@ -446,8 +435,8 @@ class RdmaLink(RemoteOps, Link):
         session = self.session
         if session is not None and session.error is None:
             session.fail(exc)
-            self._broke()
-        self._wake_all()
+            self.broke()
+        self.wake_all()
 
     def _on_control(self, data: bytes | None) -> None:
         """The TCP connection carried ``data`` after the switch, or ended (``None``).
@@ -467,7 +456,7 @@ class RdmaLink(RemoteOps, Link):
         elif self._peer_goodbye:
             self._close_control_watch()  # the end that follows the goodbye
             self._peer_ended = True  # (its QP is going or gone: a CLOSE of ours still in flight finds nobody)
-            self._wake_all()
+            self.wake_all()
             return
         self._on_control_lost()
 
@@ -518,9 +507,9 @@ class RdmaLink(RemoteOps, Link):
             session.fail(core.error)
         if core.error is not None:
             self._error_qp()
-        self._wake_all()
+        self.wake_all()
 
-    def _broke(self) -> None:
+    def broke(self) -> None:
         """The session failed: the Core learns why (once)."""
         session = self.session
         assert session is not None
@@ -545,10 +534,10 @@ class RdmaLink(RemoteOps, Link):
         except (RDMAError, OSError) as exc:
             log.warning("aiordma: moving the failed connection's QP to ERROR: %s", exc)
 
-    def _wake_all(self) -> None:
+    def wake_all(self) -> None:
         self._parking.unpark_all()
 
-    def _wait(self) -> Awaitable[Any]:
+    def park(self) -> Awaitable[Any]:
         return self._parking.park()
 
     # -- Link -------------------------------------------------------------------------------
@@ -568,10 +557,10 @@ class RdmaLink(RemoteOps, Link):
             return self.wait_incoming()
         parking = self._parking
         wakes = parking.wakes
-        fetch = self._stream_fetch
-        if fetch is not None and not fetch[2]:
+        fetch = self.remote.fetch
+        if fetch is not None and not fetch.seq:
             # a reader waits although much is buffered: it wants more (a long line): READ it now
-            self._stream_fetch_step(force=True)
+            self.remote.fetch_step(force=True)
         chan = self._chan
         if chan.withheld if chan is not None else session.withheld:
             # a reader waits although much is buffered (a long line, a large
@@ -588,17 +577,17 @@ class RdmaLink(RemoteOps, Link):
 
     def consumed(self) -> None:
         session = self.session
-        fetch = self._stream_fetch
-        if fetch is not None and not fetch[2]:
-            self._stream_fetch_step()  # a deferred rendezvous READ: the reader took some
+        fetch = self.remote.fetch
+        if fetch is not None and not fetch.seq:
+            self.remote.fetch_step()  # a deferred rendezvous READ: the reader took some
         if session is None:
             return
         session.reader_took(self.core.buffered)
         self._posted(session)
         if self._chan is not None:  # (the native path: only while C withholds credits)
-            self.needs_consumed = self._chan.withheld != 0 or self._stream_fetch is not None
+            self.needs_consumed = self._chan.withheld != 0 or self.remote.fetch is not None
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         core = self.core
         session = self.session
         if core.closed or self._closing or core.error is not None or session is None or session.error is not None:
@@ -614,11 +603,11 @@ class RdmaLink(RemoteOps, Link):
         return BrokenResourceError("the RDMA connection failed")
 
     def _check_sendable(self) -> None:
-        """``_check_usable`` for a sender's wait: once the peer's CLOSE came (in-band, after its
+        """``check_usable`` for a sender's wait: once the peer's CLOSE came (in-band, after its
         last data), no credit will come back and nothing more we send is read -- a sender waiting
         for credits fails at once instead of waiting forever.  (Receives and the READs that fetch
-        what the peer sent before its CLOSE go on: they check ``_check_usable`` only.)"""
-        self._check_usable()
+        what the peer sent before its CLOSE go on: they check ``check_usable`` only.)"""
+        self.check_usable()
         peer_close = self.core.peer_close
         if peer_close is not None:
             raise BrokenResourceError(f"the peer closed the connection: {peer_close.reason or 'normal close'}")
@@ -636,7 +625,7 @@ class RdmaLink(RemoteOps, Link):
             return  # (all of it posted: the common case)
         self._posted(session)
         if session.error is not None:
-            self._check_usable()  # the post failed: raises
+            self.check_usable()  # the post failed: raises
         if session.posted_bytes < end:
             await self._wait_posted(session, end)
 
@@ -651,7 +640,7 @@ class RdmaLink(RemoteOps, Link):
             session.detach(end)  # a cancelled send is still sent, whole, later: the caller's buffer is not kept
             raise
         finally:
-            self._unwant_sends(wanted)
+            self.unwant_sends(wanted)
 
     async def _wait_to_post(self, session: DataPath, wanted: bool) -> bool:
         """One step of a sender's wait until its bytes are posted (``send``, ``drain``).  Returns
@@ -661,13 +650,13 @@ class RdmaLink(RemoteOps, Link):
             if not wanted:
                 # only a send completion frees the send queue or ring: be woken by ours (no wait
                 # now: the pass it made may have freed room already)
-                return self._want_sends()
-            await self._wait()
+                return self.want_sends()
+            await self.park()
             return wanted
         # only the peer's credits release it: a wait the liveness plan watches, like a reader's
         if not self._watched and self._probing:
             self._watch_liveness()
-        await self._wait()
+        await self.park()
         return wanted
 
     # -- liveness (the device's plan looks at waiting connections: aiordma._rdma.liveness) ------
@@ -685,7 +674,7 @@ class RdmaLink(RemoteOps, Link):
         session = self.session
         if self._probe_wanted and (session is None or not session.probe_outstanding):
             self._probe_wanted = False  # our probe completed
-            self._unwant_sends(True)
+            self.unwant_sends(True)
         if session is None or session.error is not None or (self._closing and not self._delivering) or not len(self._parking):
             self._watched = False
             return None
@@ -702,12 +691,12 @@ class RdmaLink(RemoteOps, Link):
             return  # the last probe has not completed: the retry budget is running
         session.post_probe()  # (with the send queue full it does not: what fills it times out by itself)
         if session.error is not None:
-            self._broke()
-            self._wake_all()
+            self.broke()
+            self.wake_all()
             return
         if not self._probe_wanted and session.probe_outstanding:
             # (a failed probe must wake the poller: its completion is not solicited)
-            self._probe_wanted = self._want_sends()
+            self._probe_wanted = self.want_sends()
 
     # the non-blocking API (aiordma._conn.nowait.NowaitLink: asyncio's front ends) ------------
 
@@ -728,7 +717,7 @@ class RdmaLink(RemoteOps, Link):
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue and post what can be posted now; ``drain`` waits for the rest (which is copied
         out of the caller's buffers: they are the caller's again when this returns)."""
-        self._check_usable()
+        self.check_usable()
         session = self.session
         assert session is not None
         before = session.enqueued
@@ -756,7 +745,7 @@ class RdmaLink(RemoteOps, Link):
                 self._check_sendable()
                 wanted = await self._wait_to_post(session, wanted)
         finally:
-            self._unwant_sends(wanted)
+            self.unwant_sends(wanted)
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:
@@ -772,11 +761,6 @@ class RdmaLink(RemoteOps, Link):
     async def wait_closed(self) -> None:
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
-
-    @property
-    def one_sided_rdma(self) -> bool:  # type: ignore[override]
-        """Whether one-sided operations run on the NIC (the native path; see ``remote.py``)."""
-        return self.native is not None and self._active
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -801,10 +785,10 @@ class RdmaLink(RemoteOps, Link):
             if not self._closed_done:
                 with anyio.CancelScope(shield=True):
                     while not self._closed_done:
-                        await self._wait()
+                        await self.park()
             return
         self._closing = True
-        wanted = self._want_sends()  # the last send's completion, then the flushes
+        wanted = self.want_sends()  # the last send's completion, then the flushes
         delivered = False
         try:
             if self._may_deliver(final):
@@ -827,9 +811,9 @@ class RdmaLink(RemoteOps, Link):
                     if self.control is not None:
                         await self.control.aclose(b"")
                 finally:
-                    self._unwant_sends(wanted)
+                    self.unwant_sends(wanted)
                     self._closed_done = True
-                    self._wake_all()
+                    self.wake_all()
 
     async def _say_goodbye(self, control: Link) -> None:
         """Tell the peer, on the TCP connection, that our CLOSE is in its queue (see :meth:`aclose`)."""
@@ -853,7 +837,7 @@ class RdmaLink(RemoteOps, Link):
             return False
         if self._tcp_lost or (self._active and self.core.peer_close is not None):
             return False  # the peer closed first and reads no more
-        return bool(final) or session.backlog or bool(self._rndv_held)
+        return bool(final) or session.backlog or self.remote.rndv_staged > 0
 
     def _answers_a_close(self) -> bool:
         """The peer closed first and we close after it, with nothing to send (a CLOSE answers no
@@ -877,7 +861,7 @@ class RdmaLink(RemoteOps, Link):
             # the peer closed (its CLOSE came, or its goodbye: it closed in order after ours): it reads
             # no more, and the regions it has not READ are done with
             peer_closed = self.core.peer_close is not None or self._peer_goodbye
-            if session.close_sent and (peer_closed or not self._rndv_held):
+            if session.close_sent and (peer_closed or not self.remote.rndv_staged):
                 return True  # our CLOSE is in its queue: the goodbye may tell it so
             if peer_closed and (session.error is not None or self._tcp_lost or self._peer_ended):
                 return False  # both closed; the peer tore down first: nothing was lost that it wanted
@@ -886,12 +870,12 @@ class RdmaLink(RemoteOps, Link):
                 log.info(
                     "aiordma: closing an RDMA connection: it broke before the peer had everything (%d rendezvous "
                     "bytes not READ, CLOSE %s): %s",
-                    self.rndv_staged, "delivered" if session.close_sent else "not delivered", self._close_failed,
+                    self.remote.rndv_staged, "delivered" if session.close_sent else "not delivered", self._close_failed,
                 )  # fmt: skip
                 return False
             if not self._watched and self._probing:
                 self._watch_liveness()  # a peer host that died is noticed within the retry budget
-            await self._wait()
+            await self.park()
 
     def _release_withheld(self) -> None:
         """This side is closed and reads no more: return every credit withheld for a reader, now and
@@ -916,7 +900,7 @@ class RdmaLink(RemoteOps, Link):
                 self.device.poller.poll_now()
             with anyio.move_on_after(self.config.close_timeout):
                 while not session.drained:
-                    await self._wait()
+                    await self.park()
             if not session.drained:
                 log.warning(
                     "aiordma: RDMA teardown: %d receives and %d sends did not come back within %.1f s; "
@@ -963,12 +947,7 @@ class RdmaLink(RemoteOps, Link):
                 poller.add_local_peer(-1)
         # every grant dies first, here and only here: a bound type-2 window holds a reference on
         # its QP (rxe waits, 10 s per object, for those at destroy), and no rkey outlives the QP
-        for exposed in self._exposed.values():
-            window, exposed.window = exposed.window, None
-            attempt(partial(self._revoke, window))
-        for key, (region, window) in list(self._rndv_held.items()):
-            self._rndv_held[key] = (region, None)
-            attempt(partial(self._revoke, window))
+        self.remote.revoke_all(attempt)
         qp_gone = self.qp is None
         if self.qp is not None:
             attempt(self.qp.close)
@@ -985,21 +964,8 @@ class RdmaLink(RemoteOps, Link):
                 pass
         scope = self.scope
         if qp_gone:
-            for exposed in list(self._exposed.values()):
-                attempt(partial(self.release_region, exposed))  # (an exposure still open: revoked here)
-            if self._stream_fetch is not None:
-                fetch, self._stream_fetch = self._stream_fetch, None
-                self._unwant_sends(fetch[3])
-                if scope is not None:
-                    attempt(partial(scope.give_region, fetch[1]))  # (the QP is gone: nothing touches it)
-            for region, _ in self._rndv_held.values():  # (their windows are dead: above)
-                attempt(partial(self._close_rndv, region))
-            for region in (r for rs in self._rndv_free.values() for r in rs):
-                attempt(partial(self._close_rndv, region))
-            self._rndv_held.clear()
-            self._rndv_free.clear()
-            self.rndv_staged = 0
-        self._wake_all()  # one-sided operations waiting for a completion: the QP is gone
+            self.remote.release_all(attempt)  # (the QP is gone: nothing touches their memory)
+        self.wake_all()  # one-sided operations waiting for a completion: the QP is gone
         if device is not None:
             for mr in (self.send_mr, self.recv_mr):
                 if mr is not None:
@@ -1008,7 +974,7 @@ class RdmaLink(RemoteOps, Link):
                     else:  # pragma: no cover - the QP could not be destroyed: never reuse what it may touch
                         log.error("aiordma: an RDMA QP could not be destroyed; its buffers are leaked on purpose")
             self.send_mr = self.recv_mr = None
-            if scope is not None and qp_gone and scope is not device and not self._exposed:
+            if scope is not None and qp_gone and scope is not device and not self.remote.exposures:
                 attempt(scope.close_scope)  # (a connection's own PD: after everything in it)
                 self.scope = None
             if self._cq_reserved:

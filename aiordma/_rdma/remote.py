@@ -1,7 +1,8 @@
 """What a peer reaches of ours, and we of it, on one RDMA connection: one-sided READ and WRITE,
 the grants that scope remote keys to this connection's QP, and rendezvous (staging, granting,
-fetching).  A part of :class:`~aiordma._rdma.link.RdmaLink` (its data path's remote half; the
-link's set-up, send path and teardown are in ``link.py``).
+fetching).  :class:`RemoteOps` is the RDMA link's collaborator for them: the Core reaches it as
+``Core.nic`` (:class:`~aiordma._conn.core.NicOps`), and it asks of the link only what
+:class:`LinkSide` names (the link's set-up, send path and teardown are in ``link.py``).
 
 Ownership: the local memory of an operation is the device's from its post until its completion
 is polled.  A cancelled operation therefore waits (shielded) for that completion before it lets
@@ -12,20 +13,20 @@ in ERROR -- or the QP is destroyed, after which the device touches nothing.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any, Protocol
 
 import anyio
 from anyio import BrokenResourceError
 
-from .._conn import remote as _remote
 from .._conn.core import RECEIVE_HIGH_WATER, Core
 from .._conn.memory import count_staged, find_registered, release_pinned, reserve_pinned
 from .._errors import RDMAError
-from .._proto.onesided import READ, WRITE, RemoteMemoryError
+from .._proto.onesided import READ, WRITE, Rendezvous, RemoteMemoryError
 from .constants import Access, WCStatus, wc_status_name
 from .datapath import OneSidedPath
 
-__all__ = ["RemoteOps"]
+__all__ = ["RemoteOps", "LinkSide", "StreamFetch"]
 
 #: one-sided operations: the largest piece one work request moves, and the staging size for
 #: memory outside any registration
@@ -52,33 +53,115 @@ class _Exposed:
 
 
 
+class StreamFetch:
+    """A byte stream's rendezvous being READ into a staging region (see :meth:`RemoteOps.stream_fetch`)."""
+
+    __slots__ = ("rv", "region", "seq", "wanted")
+
+    def __init__(self, rv: Rendezvous, region: Any) -> None:
+        self.rv = rv
+        self.region = region
+        self.seq = 0  # the READ's sequence number (0: not posted yet)
+        self.wanted = False  # the CQ is armed for every completion on its behalf
+
+
+class LinkSide(Protocol):
+    """What :class:`RemoteOps` asks of its RDMA link."""
+
+    core: Core
+    @property
+    def native(self) -> OneSidedPath | None:
+        """The session that posts one-sided work requests (the native path's), else None."""
+        ...
+
+    scope: Any
+    qp: Any
+    device: Any
+    needs_consumed: bool
+
+    def want_sends(self) -> bool:
+        """Be woken by every completion (one-sided ones are not solicited); returns whether armed."""
+        ...
+
+    def unwant_sends(self, wanted: bool) -> None: ...
+
+    def park(self) -> Awaitable[Any]:
+        """Wait for the link's next wake (a completion, a failure, teardown)."""
+        ...
+
+    def wake_all(self) -> None: ...
+
+    def check_usable(self) -> None:
+        """Raise if the connection is closed or failed."""
+
+    def broke(self) -> None:
+        """The session failed: the Core learns why, the QP goes to ERROR."""
+
+
 class RemoteOps:
-    """The remote half of an RDMA link (see the module docs); mixed into ``RdmaLink``."""
+    """The remote half of an RDMA link (see the module docs): a :class:`~aiordma._conn.core.NicOps`."""
 
-    if TYPE_CHECKING:  # (what the link has)
-        core: Core
-        native: OneSidedPath | None
-        scope: Any
-        qp: Any
-        device: Any
-        _active: bool
-        _qp_access: int
-        _exposed: dict[int, _Exposed]
-        _rndv_held: dict[int, tuple[Any, Any]]
-        _rndv_free: dict[int, list[Any]]
-        rndv_staged: int
-        rndv_limit: int
-        _stream_fetch: list[Any] | None
-        _os_done: dict[int, int]
-        os_inflight: set[int]
-        needs_consumed: bool
+    def __init__(self, link: LinkSide, *, qp_access: int, rndv_limit: int) -> None:
+        self._link = link
+        self._qp_access = qp_access  # what the peer may do on our QP (grows: _allow)
+        self._exposed: dict[int, _Exposed] = {}  # id -> an exposure (its region and grant)
+        # rendezvous: regions the peer may READ (this connection's only), staged or free
+        self._rndv_held: dict[int, tuple[Any, Any]] = {}  # message id -> (region, window)
+        self._rndv_free: dict[int, list[Any]] = {}
+        self.rndv_staged = 0
+        self.rndv_limit = rndv_limit
+        #: a byte stream's rendezvous being READ (one at a time: the protocol pauses after it)
+        self.fetch: StreamFetch | None = None
+        self._os_done: dict[int, int] = {}  # one-sided WRs completed: seq -> wc status
+        #: one-sided WRs posted whose completion nobody took yet (the device's: see rdma())
+        self.os_inflight: set[int] = set()
 
-        def _want_sends(self) -> bool: ...
-        def _unwant_sends(self, wanted: bool) -> None: ...
-        def _wait(self) -> Awaitable[Any]: ...
-        def _wake_all(self) -> None: ...
-        def _check_usable(self) -> None: ...
-        def _broke(self) -> None: ...
+    @property
+    def qp_access(self) -> int:
+        """What the peer may do on our QP (``Access`` flags)."""
+        return self._qp_access
+
+    def completed(self, done: list[tuple[int, int]]) -> None:
+        """One-sided work requests completed (``(seq, wc status)``, from the session)."""
+        for seq, status in done:
+            self._os_done[seq] = status
+
+    # -- teardown (the link's: revoke_all before the QP is destroyed, release_all after) ---------
+
+    @property
+    def exposures(self) -> int:
+        """Exposures still registered (a connection's own PD closes only without any)."""
+        return len(self._exposed)
+
+    def revoke_all(self, attempt: Callable[[Callable[[], None]], None]) -> None:
+        """Every grant dies (before the QP is destroyed: a bound window holds a reference on it);
+        ``attempt`` runs each step, keeping its error and going on."""
+        for exposed in self._exposed.values():
+            window, exposed.window = exposed.window, None
+            attempt(partial(self._revoke, window))
+        for key, (region, window) in list(self._rndv_held.items()):
+            self._rndv_held[key] = (region, None)
+            attempt(partial(self._revoke, window))
+
+    def release_all(self, attempt: Callable[[Callable[[], None]], None]) -> None:
+        """The QP is destroyed (nothing touches the memory any more): every exposure, staging and
+        rendezvous region goes back or is closed."""
+        link = self._link
+        for exposed in list(self._exposed.values()):
+            attempt(partial(self.release_region, exposed))  # (an exposure still open: revoked here)
+        fetch, self.fetch = self.fetch, None
+        if fetch is not None:
+            link.unwant_sends(fetch.wanted)
+            scope = link.scope
+            if scope is not None:
+                attempt(partial(scope.give_region, fetch.region))
+        for region, _ in self._rndv_held.values():  # (their windows are dead: revoke_all)
+            attempt(partial(self._close_rndv, region))
+        for region in (r for rs in self._rndv_free.values() for r in rs):
+            attempt(partial(self._close_rndv, region))
+        self._rndv_held.clear()
+        self._rndv_free.clear()
+        self.rndv_staged = 0
 
     # -- one-sided RDMA READ / WRITE (the native path) ----------------------------------------
     #
@@ -93,8 +176,8 @@ class RemoteOps:
     def _allow(self, access: int) -> None:
         """Our QP lets the peer do ``access`` (REMOTE_READ / REMOTE_WRITE) from now on."""
         want = self._qp_access | (access & (Access.REMOTE_READ | Access.REMOTE_WRITE))
-        if want != self._qp_access and self.qp is not None:
-            self.qp.set_access(want)
+        if want != self._qp_access and self._link.qp is not None:
+            self._link.qp.set_access(want)
             self._qp_access = want
 
     async def _grant(self, mr: Any, addr: int, length: int, access: int) -> tuple[Any, int]:
@@ -102,7 +185,7 @@ class RemoteOps:
         only: ``(window, rkey)``; the window is None in a connection's own PD (the region's rkey
         is the grant).  Returns once the grant is in force (the window's bind completed)."""
         self._allow(access)
-        scope = self.scope
+        scope = self._link.scope
         if not scope.windows:
             return None, int(mr.rkey)
         mw = scope.pd.alloc_mw()
@@ -114,10 +197,10 @@ class RemoteOps:
                 seq, wr_id = session.reserve_wr()
                 if seq:
                     try:
-                        self.qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
+                        self._link.qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
                     except (RDMAError, OSError) as exc:
                         session.fail(exc)  # (a refused post: the QP's state is unknown)
-                        self._broke()
+                        self._link.broke()
                         raise BrokenResourceError(f"granting remote access failed: {exc}") from exc
                 return seq
 
@@ -138,13 +221,13 @@ class RemoteOps:
     async def expose_region(self, view: memoryview, access: int) -> Any:
         """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted);
         the returned exposure has the ``addr`` and ``rkey`` to announce."""
-        device = self.device
-        if device is None or device.closed or self.scope is None:
+        device = self._link.device
+        if device is None or device.closed or self._link.scope is None:
             raise BrokenResourceError("the RDMA connection is gone")
         flags = (Access.REMOTE_READ if access & READ else 0) | (Access.REMOTE_WRITE if access & WRITE else 0)
         reserve_pinned(view.nbytes)
         try:
-            region = self.scope.register_exposed(view, flags)
+            region = self._link.scope.register_exposed(view, flags)
         except BaseException:
             release_pinned(view.nbytes)
             raise
@@ -176,8 +259,8 @@ class RemoteOps:
         through this connection's registered regions, ``STAGE`` bytes at a time."""
         n = view.nbytes
         found = find_registered(view)
-        scope = self.scope
-        if self.device is None or scope is None:
+        scope = self._link.scope
+        if self._link.device is None or scope is None:
             raise BrokenResourceError("the RDMA connection is gone")
         if found is not None:
             mem, offset = found
@@ -214,13 +297,7 @@ class RemoteOps:
             # gone): the region is reusable
             scope.give_region(region)
 
-    # rendezvous (the steps are aiordma._conn.remote's: send_rendezvous, fetch_rendezvous) --
-
-    async def send_rendezvous(self, data: bytes | bytearray | memoryview) -> None:
-        await _remote.send_rendezvous(self.core, data)
-
-    async def fetch_rendezvous(self, rv: Any, view: memoryview | None = None) -> Any:
-        return await _remote.fetch_rendezvous(self.core, rv, view)
+    # -- rendezvous (the Core's steps: Core._send_rendezvous, Core._fetch_rendezvous) ---------
     #
     # A staged message's region is granted to the peer for READ (a window bound to this QP, or the
     # region itself in this connection's own PD) from its announcement until the peer's RNDV_DONE:
@@ -233,12 +310,12 @@ class RemoteOps:
         free = self._rndv_free.get(size)
         if free:
             return free.pop()
-        device = self.device
-        if device is None or device.closed or self.scope is None:
+        device = self._link.device
+        if device is None or device.closed or self._link.scope is None:
             raise BrokenResourceError("the RDMA connection is gone")
         reserve_pinned(size)
         try:
-            return self.scope.staging_region(size)
+            return self._link.scope.staging_region(size)
         except BaseException:
             release_pinned(size)
             raise
@@ -265,7 +342,7 @@ class RemoteOps:
         self.rndv_staged -= int(region.length)
         self._revoke(window)
         self._rndv_put_back(region)
-        self._wake_all()  # a sender may wait for room
+        self._link.wake_all()  # a sender may wait for room
 
     def rndv_discard(self, region: Any, window: Any) -> None:
         """A staged region that is not announced after all: its grant dies, the region goes back."""
@@ -276,7 +353,7 @@ class RemoteOps:
         """A staging region no grant reaches any more: cached for the next message (when it grants
         nothing by itself), else closed."""
         cached = sum(int(r.length) for rs in self._rndv_free.values() for r in rs)
-        if self.scope is not None and self.scope.windows and cached + int(region.length) <= self.rndv_limit:
+        if self._link.scope is not None and self._link.scope.windows and cached + int(region.length) <= self.rndv_limit:
             self._rndv_free.setdefault(int(region.length), []).append(region)
         else:
             self._close_rndv(region)
@@ -288,61 +365,61 @@ class RemoteOps:
         finally:
             release_pinned(n)
 
-    def stream_fetch(self, rv: Any) -> None:
+    def stream_fetch(self, rv: Rendezvous) -> None:
         """A byte stream's rendezvous: READ it into a staging region, from the callback (nothing
         awaits it); when it completes, its bytes go to ``rbuf`` and the protocol resumes."""
-        if self.core.closed:
+        if self._link.core.closed:
             # this side reads no more: the bytes are not fetched, what follows is parsed on (the
             # peer learns from our CLOSE that nobody takes them)
-            self.core.resume_after_rendezvous()
+            self._link.core.resume_after_rendezvous()
             return
-        device = self.device
-        if device is None or device.closed or self._stream_fetch is not None:
-            self.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
+        device = self._link.device
+        if device is None or device.closed or self.fetch is not None:
+            self._link.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
             return
         size = max(64 << 10, 1 << max(0, rv.length - 1).bit_length())
-        self._stream_fetch = [rv, self.scope.take_region(size), 0, False]
-        self._stream_fetch_step()
+        self.fetch = StreamFetch(rv, self._link.scope.take_region(size))
+        self.fetch_step()
 
-    def _stream_fetch_step(self, force: bool = False) -> None:
+    def fetch_step(self, force: bool = False) -> None:
         """Post the stream's rendezvous READ (deferred while the reader is behind, unless
         ``force``: a reader waits for more), or finish it once its completion came."""
-        fetch = self._stream_fetch
+        fetch = self.fetch
         assert fetch is not None
-        rv, region, seq, _wanted = fetch
-        session = self.native
+        rv, region, seq = fetch.rv, fetch.region, fetch.seq
+        session = self._link.native
         if not seq:
             if rv.length == 0:
                 self._stream_fetch_done(0)
                 return
-            if self.core.buffered >= RECEIVE_HIGH_WATER and not force:
+            if self._link.core.buffered >= RECEIVE_HIGH_WATER and not force:
                 # the reader is behind: READ it when the reader took some (consumed(), or a
                 # reader that waits for more) -- the sender's staged bytes are its backpressure
-                self.needs_consumed = True
+                self._link.needs_consumed = True
                 return
             if session is None or session.error is not None:
                 return  # the connection failed: teardown gives the region back
             try:
                 seq = session.post_onesided(False, int(region.addr), rv.length, int(region.lkey), rv.addr, rv.rkey)
             except Exception as exc:
-                self.core.on_error(exc)
+                self._link.core.on_error(exc)
                 return
             if not seq:
                 return  # the send queue is full: tried again at the next wake
-            fetch[2] = seq
-            fetch[3] = self._want_sends()  # (its completion is not solicited)
+            fetch.seq = seq
+            fetch.wanted = self._link.want_sends()  # (its completion is not solicited)
             return
         if seq in self._os_done:
             self._stream_fetch_done(self._os_done.pop(seq))
 
     def _stream_fetch_done(self, status: int) -> None:
-        fetch = self._stream_fetch
+        fetch = self.fetch
         assert fetch is not None
-        self._stream_fetch = None
-        rv, region, _seq, wanted = fetch
-        self._unwant_sends(wanted)
-        core = self.core
-        device = self.device
+        self.fetch = None
+        rv, region = fetch.rv, fetch.region
+        self._link.unwant_sends(fetch.wanted)
+        core = self._link.core
+        device = self._link.device
         try:
             if status:
                 core.on_error(RemoteMemoryError(f"the rendezvous READ failed: {wc_status_name(status)}"))
@@ -355,21 +432,21 @@ class RemoteOps:
                     stage.release()
                 count_staged(rv.length)
         finally:
-            if device is not None and self.scope is not None:
-                self.scope.give_region(region)  # (its WR completed)
+            if device is not None and self._link.scope is not None:
+                self._link.scope.give_region(region)  # (its WR completed)
         core.send_memory_nowait(core.memory.rendezvous_done(rv), after_peer_close=True)
         core.resume_after_rendezvous()
         # (this may run in a reader's consumed() or a waiter's incoming(), not in a wake: what
         # the resumed protocol parsed -- the peer's CLOSE, its RNDV_DONEs -- concerns the other
         # waiters too, a sender waiting for staging room or credits above all)
-        self._wake_all()
+        self._link.wake_all()
 
     async def rdma_read_bytes(self, n: int, raddr: int, rkey: int) -> bytes:
         """RDMA READ ``n`` bytes into a staging region and return them (one copy)."""
         if not n:
-            await self.core.checkpoint()
+            await self._link.core.checkpoint()
             return b""
-        device = self.device
+        device = self._link.device
         if device is None:
             raise BrokenResourceError("the RDMA connection is gone")
         if n > STAGE_BYTES_MAX:
@@ -377,7 +454,7 @@ class RemoteOps:
             await self.rdma(False, memoryview(buf), raddr, rkey)
             return bytes(buf)
         size = max(64 << 10, 1 << (n - 1).bit_length())
-        scope = self.scope
+        scope = self._link.scope
         region = scope.take_region(size)
         try:
             await self._one_sided(False, int(region.addr), n, int(region.lkey), raddr, rkey)
@@ -392,7 +469,7 @@ class RemoteOps:
 
     def _onesided(self) -> OneSidedPath:
         """The session that posts one-sided work requests (the native path's)."""
-        session = self.native
+        session = self._link.native
         if session is None:
             raise BrokenResourceError("one-sided operations need the native path (RdmaConfig.hot_path)")
         return session
@@ -403,14 +480,14 @@ class RemoteOps:
         if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
             # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
             broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
-            broken.__cause__ = self.core.broken() if self.core.error is not None else None
+            broken.__cause__ = self._link.core.broken() if self._link.core.error is not None else None
             raise broken
         if status:
             what = "WRITE" if write else "READ"
             err = RemoteMemoryError(
                 f"the RDMA {what} failed: {wc_status_name(status)} (on RC this ends the connection)"
             )
-            err.__cause__ = self.core.broken() if self.core.error is not None else None
+            err.__cause__ = self._link.core.broken() if self._link.core.error is not None else None
             raise err
 
     async def _post_and_wait(self, post: Callable[[], int]) -> int:
@@ -420,29 +497,29 @@ class RemoteOps:
         Ownership: what the work request names is the device's until its completion is polled.
         Cancelled, this still waits (shielded) for that completion -- a posted WR always
         completes (done, failed, or flushed once the QP is in ERROR) -- or for the QP's end."""
-        await self.core.checkpoint()
-        wanted = self._want_sends()  # our completion is not solicited: be woken by every one
+        await self._link.core.checkpoint()
+        wanted = self._link.want_sends()  # our completion is not solicited: be woken by every one
         try:
             while True:
-                self._check_usable()
+                self._link.check_usable()
                 seq = post()
                 if seq:
                     break
-                await self._wait()  # the send queue is full: a send completion makes room
+                await self._link.park()  # the send queue is full: a send completion makes room
             self.os_inflight.add(seq)
             try:
-                while seq not in self._os_done and self.qp is not None:
-                    await self._wait()
+                while seq not in self._os_done and self._link.qp is not None:
+                    await self._link.park()
             except BaseException:
                 # cancelled (or the loop stops): the NIC may still use the memory -- wait for it
                 with anyio.CancelScope(shield=True):
-                    while seq not in self._os_done and self.qp is not None:
-                        await self._wait()
+                    while seq not in self._os_done and self._link.qp is not None:
+                        await self._link.park()
                 self._os_done.pop(seq, None)
                 self.os_inflight.discard(seq)
                 raise
         finally:
-            self._unwant_sends(wanted)
+            self._link.unwant_sends(wanted)
         self.os_inflight.discard(seq)
         status = self._os_done.pop(seq, None)
         if status is None:
