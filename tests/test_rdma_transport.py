@@ -504,7 +504,7 @@ async def test_hostile_completions_break_only_the_offending_connection(anyio_bac
         if fault == "write_with_imm":
             wr = SendWR(Opcode.RDMA_WRITE_WITH_IMM, wr_id=(1 << 63) | 7, imm_data=0)
         else:
-            mr = link.send_mr
+            mr = link.res.send_mr
             wr = SendWR(Opcode.SEND_WITH_IMM, wr_id=(1 << 63) | 7, addr=mr.addr, length=16, lkey=mr.lkey,
                         imm_data=1 << 31 | 1)  # fmt: skip
         link.qp.post_send(wr)
@@ -538,7 +538,7 @@ async def test_asyncio_api_raises_asyncio_errors_over_rdma(anyio_backend: Any, e
                 env.host, server.addresses[0][1], transport="rdma", rdma_backend=env.backend()
             )
             await served.wait()
-            env.fabric.kill_qp(writer._core.link.peer.qp_num)  # the server's QP vanishes as a dead host would
+            env.fabric.kill_qp(writer._core.link.res.peer.qp_num)  # the server's QP vanishes as a dead host would
             with anyio.fail_after(10):
                 with pytest.raises(ConnectionResetError):
                     for _ in range(100):
@@ -553,7 +553,7 @@ async def test_a_fatal_async_event_breaks_only_its_connection(anyio_backend: Any
         pytest.skip("needs the simulated wire's fault knobs")
     async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
         link = _link(b)
-        env.fabric.post_async_event(link.gid_entry.device, 1, qp_num=link.qp_num)  # IBV_EVENT_QP_FATAL
+        env.fabric.post_async_event(link.res.gid_entry.device, 1, qp_num=link.qp_num)  # IBV_EVENT_QP_FATAL
         with anyio.fail_after(10):
             with pytest.raises(BrokenResourceError):
                 await b.receive()
@@ -689,13 +689,14 @@ async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, en
     async with no_fd_leak(), stream_pair_on(env, server_config=cfg) as (a, b):
         link = _link(b)
         probes: list[float] = []
-        real = link.probe_liveness
+        watch = link.watch
+        real = watch.probe_liveness
 
         def counted() -> None:
             probes.append(time.monotonic())
             real()
 
-        link.probe_liveness = counted
+        watch.probe_liveness = counted
         async with anyio.create_task_group() as tg:
 
             async def read() -> None:
@@ -703,7 +704,7 @@ async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, en
 
             tg.start_soon(read)
             await anyio.sleep(1.0)
-            assert link in link.device.liveness  # (a task waits)
+            assert watch in link.device.liveness  # (a task waits)
             await a.send(b"late")
         assert 2 <= len(probes) <= 5, probes
         gaps = [t1 - t0 for t0, t1 in zip(probes, probes[1:])]
@@ -715,7 +716,7 @@ async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, en
         await a.send(b"again")
         assert await b.receive() == b"again"
         with anyio.fail_after(5):
-            while link in link.device.liveness:  # nobody waits: the next look drops it
+            while watch in link.device.liveness:  # nobody waits: the next look drops it
                 await anyio.sleep(0.05)
 
 
@@ -826,10 +827,10 @@ async def test_a_peer_cannot_write_into_our_buffers(anyio_backend: Any, env: Env
 
     async with no_fd_leak(), stream_pair_on(env) as (a, b), stream_pair_on(env) as (c, d):
         victim = _link(b)
-        target = victim.recv_mr
+        target = victim.res.recv_mr
         before = bytes(target.view()[:64])
         attacker = _link(a)
-        src = attacker.send_mr
+        src = attacker.res.send_mr
         src.view()[:64] = b"\xee" * 64
         attacker.qp.post_send(SendWR(Opcode.RDMA_WRITE, wr_id=(1 << 63) | 9, addr=src.addr, length=64, lkey=src.lkey,
                                      remote_addr=target.addr, rkey=target.rkey))  # fmt: skip
@@ -941,7 +942,7 @@ async def _hostile(fault: str, a: Any, b: Any, c: Any, d: Any, attacker: Any, vi
 
     broken = b
     if fault == "read_guessed_rkey":
-        target = victim.recv_mr
+        target = victim.res.recv_mr
         attacker.qp.post_send(SendWR(Opcode.RDMA_READ, wr_id=(1 << 63) | 11, addr=src.addr, length=64,
                                      lkey=src.lkey, remote_addr=target.addr, rkey=target.rkey))  # fmt: skip
         broken = a  # the READ fails on the attacker's side (a remote access error), nothing read

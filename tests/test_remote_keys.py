@@ -76,7 +76,7 @@ async def two_connections(env: Env) -> AsyncIterator[list[tuple[aiordma.Channel,
 def raw_rdma(attacker: aiordma.Channel, write: bool, raddr: int, rkey: int, length: int) -> None:
     """Post, behind aiordma's back, an RDMA READ (or WRITE) on the attacker's own QP."""
     link: Any = attacker._core.link
-    mr = link.send_mr  # (registered, local write: a READ's destination, a WRITE's source)
+    mr = link.res.send_mr  # (registered, local write: a READ's destination, a WRITE's source)
     link.qp.post_send(SendWR(Opcode.RDMA_WRITE if write else Opcode.RDMA_READ, wr_id=(1 << 63) | 0x77,
                              addr=mr.addr, length=length, lkey=mr.lkey, remote_addr=raddr, rkey=rkey))  # fmt: skip
 
@@ -111,7 +111,7 @@ async def test_an_rkey_granted_on_one_connection_is_refused_on_another(anyio_bac
             desc = RemoteBuffer.from_bytes(await a_client.receive())
             assert desc.rkey and desc.addr
             # the hostile peer on connection B uses A's descriptor on its own QP
-            landing = b_client._core.link.send_mr  # (where B's READ would put A's bytes)
+            landing = b_client._core.link.res.send_mr  # (where B's READ would put A's bytes)
             raw_rdma(b_client, write, desc.addr, desc.rkey, 4096)
             cause = await the_connection_fails(b_client)
             assert landing.read(0, 4096) != secret[:4096], "B read A's memory"

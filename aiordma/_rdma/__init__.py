@@ -6,6 +6,7 @@
 * ``device``   -- the per-loop device context (context, PD, channel, CQ), reference-counted
 * ``poller``   -- the push poller on the completion channel fd, routing by qp_num
 * ``link``     -- the thin glue: Core <-> session <-> QP, bring-up, probe and teardown
+* ``resources``, ``remote``, ``watch`` -- the link's collaborators: the QP, rings and routing (set-up and teardown); one-sided operations and rendezvous (``Core.nic``); the watch over the peer (TCP after the switch, goodbye, liveness probes)
 * ``discovery``-- sysfs discovery and the "is RDMA usable here" probe
 * ``verbs``    -- the native binding (loaded only when RDMA is first used); ``constants`` has what needs no native code
 * ``config``   -- ``RdmaConfig``, the injectable ``RdmaBackend``, ``RdmaSetupError``

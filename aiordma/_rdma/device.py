@@ -94,6 +94,19 @@ def acquire_device(io: IOBackend, provider: VerbsProvider, name: str) -> Device:
     return device
 
 
+class Watched(Protocol):
+    """A connection in the device's liveness plan (``watch.PeerWatch``)."""
+
+    def __hash__(self) -> int: ...
+
+    def liveness_mark(self) -> int | None:
+        """Its progress mark while a task waits on it, else None (it leaves the plan)."""
+        ...
+
+    def probe_liveness(self) -> None:
+        """It went silent for a whole gap while a task waits: probe its peer."""
+
+
 class Device:
     """See the module docs.  Do not create directly: use :func:`acquire_device`."""
 
@@ -113,7 +126,7 @@ class Device:
         #: user memory registered here (aiordma.RegisteredBuffer / register()) -> its region
         self._user: dict[Any, Any] = {}
         #: connections a task waits on, looked at by one timer (see the module docs)
-        self.liveness: ProbePlan[Any] = ProbePlan()
+        self.liveness: ProbePlan[Watched] = ProbePlan()
         self._liveness_timer: Watch | None = None
         self._liveness_due = 0.0
         try:
@@ -239,18 +252,18 @@ class Device:
 
     # -- liveness ------------------------------------------------------------------------
 
-    def watch_liveness(self, link: Any, mark: int) -> None:
-        """A task started to wait on ``link`` (its ``liveness_probe`` > 0; ``mark``: its progress
-        mark now): the timer looks at it (``link.liveness_mark()``) and probes it
+    def watch_liveness(self, link: Watched, gap: float, mark: int) -> None:
+        """A task started to wait on ``link`` (``gap``: its ``liveness_probe`` > 0; ``mark``: its
+        progress mark now): the timer looks at it (``link.liveness_mark()``) and probes it
         (``link.probe_liveness()``) when it went silent."""
         if self.closed:
             return
         now = self.io.clock()
-        due = self.liveness.add(link, link.config.liveness_probe, mark, now)
+        due = self.liveness.add(link, gap, mark, now)
         if self._liveness_timer is None or due < self._liveness_due:
             self._arm_liveness(due, now)
 
-    def unwatch_liveness(self, link: Any) -> None:
+    def unwatch_liveness(self, link: Watched) -> None:
         self.liveness.discard(link)
         if not self.liveness and self._liveness_timer is not None:
             self._liveness_timer.close()
@@ -449,7 +462,7 @@ class DeviceHold:
             device.release()
 
 
-def _look(link: Any) -> int | None:
+def _look(link: Watched) -> int | None:
     """The liveness plan's look at a connection (``RdmaLink.liveness_mark``); one that fails
     leaves the plan (logged), so that a bug cannot stop the device's timer."""
     try:

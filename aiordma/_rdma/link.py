@@ -8,11 +8,15 @@ posted, routed on the device's poller) through the handshake
 (:meth:`connect`: the peer's parameters, RTR/RTS; :meth:`probe`: a
 zero-length RDMA WRITE proves the path) to :meth:`activate`, where it takes
 the Core over from the TCP link.  The TCP connection stays open, silent, as
-the liveness channel: its end (or any byte on it) means the peer is gone.
+the liveness channel: its end (or any byte on it) means the peer is gone
+(``watch.py``: the link's :class:`~aiordma._rdma.watch.PeerWatch`, which also
+runs the liveness probes).  One-sided operations and rendezvous are the link's
+other collaborator, :class:`~aiordma._rdma.remote.RemoteOps` (``remote.py``).
 
-Everything is pushed: the device's poller calls :meth:`on_completions` from
-the event loop's fd callback; that feeds received bytes to the Core, posts
-what the session says (re-posts, credit messages, backlog) and wakes the
+Everything is pushed: the device's poller calls :meth:`on_native` (or, on the
+checked path, :meth:`on_completions`) from the event loop's fd callback; that
+feeds received bytes to the Core, lets the session post (re-posts, credit
+messages, backlog: ``datapath.py``) and wakes the
 tasks that wait -- a receiver for data, a sender for credits or send slots.
 No task polls, no loop spins: every wait is on a future (asyncio) or an Event
 (trio) that only :meth:`on_completions`, a fatal event or teardown sets.
@@ -35,9 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -45,31 +47,27 @@ from anyio import BrokenResourceError, ClosedResourceError
 from anyio.abc import SocketAttribute
 
 from .._attributes import TransportAttribute
-from .._conn.core import RECEIVE_HIGH_WATER, ControlLink, Core, Link
+from .._conn.core import ControlLink, Core, Link
 from .._conn.nowait import NowaitLink
-from .._errors import RDMAError, RemoteProtocolError
-from .._io.backends import IOBackend, Watch, current_io
-from .._proto.protocol import CLOSE_FIXED, Chunk, CloseCode, FrameType, frame
+from .._errors import RDMAError
+from .._io.backends import IOBackend, current_io
+from .._proto.protocol import Chunk
 from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
-from .checked import CheckedSession
-from .constants import MTU_TO_ENUM
 from .datapath import ChanView, DataPath
-from .device import Device, acquire_device, open_devices
+from .device import Device
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .remote import RemoteOps
-from .session import Ring
+from .resources import LinkResources
 from .states import LinkState
+from .watch import GOODBYE, PeerWatch
 
 __all__ = ["RdmaLink", "local_ip_of", "peer_ip_of"]
 
 log = logging.getLogger("aiordma")
 
 _EVENTS_BESIDES_ROOM = ~(EVT_DATA | EVT_ROOM)
-#: what a closing side writes on the TCP connection once its CLOSE was delivered in-band and the peer
-#: READ all it staged (docs/protocol.md, "Closing an RDMA connection"); ends the TCP connection's silence
-_GOODBYE = frame(FrameType.CLOSE, CLOSE_FIXED.pack(CloseCode.NORMAL))
 
 
 def _address(link: Link, attribute: Any) -> str | None:
@@ -101,199 +99,84 @@ class RdmaLink(Link):
         self.backend = backend
         self.config: RdmaConfig = backend.config
         self.io = io
-        self.device: Device | None = None
-        #: where this connection's memory lives: the device (shared PD, memory windows) or its own
-        #: protection domain (a device without windows): see device.py
-        self.scope: Any = None
-        self.qp: Any = None
-        self.recv_mr: Any = None
-        self.send_mr: Any = None
-        #: the connection's session (it decides what to post, and posts): see datapath.py
+        #: the QP, its memory and its place on the device's poller: opened at set-up, released at teardown
+        self.res = LinkResources(backend, io)
+        #: the connection's session (it decides what to post, and posts: datapath.py), from ``res``
         self.session: DataPath | None = None
         #: the same session when it is the native one (its completions are processed in C: on_native)
         self.native: NativeSession | None = None
         self._chan: ChanView | None = None  # (the native session's C struct, read in a wake)
         self.control: ControlLink | None = None
-        self.peer: RdmaParams | None = None
-        self._cq_reserved = 0
-        self._routed = False
         self._parking = io.parking()  # readers, senders and teardown wait here
-        self._control_watch: Watch | None = None  # the TCP connection, watched after the switch
-        self._control_rx = b""  # bytes the TCP connection carried after the switch (a goodbye, or less)
-        self._peer_goodbye = False
-        self._peer_ended = False  # the TCP connection ended after the peer's goodbye
-        self._goodbye_timer: Watch | None = None
-        self._probing = backend.config.liveness_probe > 0  # (RdmaConfig.liveness_probe)
-        self._watched = False  # in the device's liveness plan (a task waits: see incoming())
-        self._probe_wanted = False  # the CQ is armed for every completion while our probe is out
-        self._tcp_lost = False
         self._qp_errored = False
         self._closing = False
         self._delivering = False  # closing, and waiting until the peer has everything (see aclose)
         self._abort = False
-        self._goodbye: Watch | None = None  # the peer said goodbye on TCP: its CLOSE must follow in-band
         self._closed_done = False
         self._close_failed: BaseException | None = None  # why closing could not deliver (aclose raises it)
         self._close_task: asyncio.Task[None] | None = None
-        self._step = "device"
-        self.qp_num = 0
         self._active = False
-        self.cid = 0  # the poller's index of our native chan (0: none)
-        self._counted = False  # counted in the poller's modes (and checked connections)
-        self._mode = "event"
-        self._local_peer = False
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
         self._sq_wanted = False  # armed for send completions because posting waits for room (native)
         #: called once when the teardown has released everything (a listener's budget)
         self.on_destroyed: list[Callable[[], None]] = []
         #: one-sided operations, grants and rendezvous (the Core's ``nic`` on the native path)
         self.remote = RemoteOps(self, qp_access=int(qp_setup.QP_ACCESS), rndv_limit=backend.config.rendezvous_inflight)
+        #: the watch over the peer: the TCP connection after the switch, its goodbye, liveness probes
+        self.watch = PeerWatch(self)
 
-    # -- set-up ------------------------------------------------------------------------
-
-    def _enter(self, step: str) -> None:
-        self._step = step
-        self.backend.before_step(step)
+    # -- set-up (the resources' steps: resources.py) ----------------------------------------
 
     @classmethod
     def prepare(cls, backend: RdmaBackend, local_ip: str | None) -> RdmaLink:
         """Open what one side offers in its HELLO; raises :class:`RdmaSetupError` (with nothing left open)."""
         link = cls(backend, current_io())
+        res = link.res
         try:
-            link._prepare(local_ip)
+            try:
+                res.open(local_ip, link)
+            finally:
+                link.session, link.native, link._chan = res.session, res.native, res.chan
         except BaseException as exc:
             link._destroy()
             if isinstance(exc, RdmaSetupError):
                 raise
             if isinstance(exc, (RDMAError, OSError, ValueError)):
-                raise RdmaSetupError(link._step, str(exc)) from exc
+                raise RdmaSetupError(res.step, str(exc)) from exc
             raise
         return link
-
-    def _prepare(self, local_ip: str | None) -> None:
-        cfg = self.config
-        provider = self.backend.provider
-        self._enter("device")
-        if local_ip is None:
-            raise RdmaSetupError("device", "the TCP socket has no IP address")
-        names = provider.device_names()
-        if not names:
-            raise RdmaSetupError("device", "this host has no RDMA device")
-        self._enter("open")
-        # the device behind the address: asked of this loop's open devices (their GID tables
-        # come from one verbs call when they open), never by walking sysfs per connect
-        for name in names:
-            device = acquire_device(self.io, provider, name)
-            found = device.find_gid(local_ip)
-            if found is not None:
-                self.device, entry = device, found
-                break
-            device.release()
-        else:
-            raise RdmaSetupError("device", f"no RDMA device has the local address {local_ip}")
-        self.gid_entry = entry
-        self._enter("resources")
-        buffers = cfg.window + cfg.control
-        self.scope = scope = device.scope()  # (the shared PD with windows, else this connection's own)
-        self.qp, self._cq_reserved = qp, _ = qp_setup.create_qp(device, cfg, scope.pd)
-        self.qp_num = int(qp.qp_num)
-        caps = qp.caps
-        self._enter("init")
-        qp_setup.to_init(qp, entry)
-        self._enter("memory")
-        self.recv_mr = scope.take_region(buffers * cfg.buffer_size)
-        ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
-        poller = device.poller
-        self._mode = cfg.poll_mode
-        if cfg.use_native(poller.native is not None):
-            self.cid, gen = poller.add_native(self)
-            self.session = self.native = native = NativeSession(
-                window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
-                rq_depth=int(caps.max_recv_wr), qp=qp, cid=self.cid, gen=gen,
-            )  # fmt: skip
-            self._chan = native.c
-            poller.ensure_buffer(cfg.buffer_size)
-            poller.set_chan(self.cid, native.c)
-        else:
-            self.session = CheckedSession(
-                window=cfg.window, control=cfg.control, buffer_size=cfg.buffer_size, recv=ring,
-                rq_depth=int(caps.max_recv_wr), qp=qp,
-            )  # fmt: skip
-            poller.add_checked(1)
-        poller.add_mode(self._mode)
-        if self._mode != "event":
-            poller.spin_window, poller.busy_window = cfg.spin_window, cfg.busy_window
-            poller.spin_budget = cfg.spin_budget
-        self._counted = True
-        self._enter("post")
-        poller.routes[self.qp_num] = self
-        self._routed = True
-        self.session.post_receives()
-        self.mtu = min(4096, device.active_mtu)
-        self.psn = random.randrange(1 << 24)
 
     @property
     def params(self) -> RdmaParams:
         """What our HELLO tells the peer."""
-        cfg = self.config
-        return self.backend.hello_params(RdmaParams(
-            gid=self.gid_entry.gid.packed,
-            qp_num=self.qp_num,
-            psn=self.psn,
-            mtu=MTU_TO_ENUM.get(self.mtu, 3),
-            window=cfg.window,
-            control=cfg.control,
-            buffer_size=cfg.buffer_size,
-            rd_atom=qp_setup.rd_atom_of(self.device) if self.device is not None else 1,
-            reads_rendezvous=self.native is not None,  # (the native path READs what the peer staged)
-        ))  # fmt: skip
+        return self.res.params
 
     def connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
         """RTR and RTS towards the peer's QP (steps ``params``, ``rtr``, ``rts``)."""
-        try:
-            self._connect(peer_raw, peer_ip)
-        except RdmaSetupError:
-            raise
-        except RemoteProtocolError as exc:
-            raise RdmaSetupError("params", str(exc)) from exc
-        except (RDMAError, OSError, ValueError) as exc:
-            raise RdmaSetupError(self._step, str(exc)) from exc
+        self.res.connect(peer_raw, peer_ip)
 
-    def _connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
-        cfg = self.config
-        session, qp, device = self.session, self.qp, self.device
-        assert session is not None and device is not None
-        self._enter("params")
-        self.peer = peer = qp_setup.check_peer(peer_raw, peer_ip)
-        self._enter("rtr")
-        qp_setup.rtr(qp, self.gid_entry, peer, self.mtu, qp_setup.rd_atom_of(device))
-        self._enter("rts")
-        qp_setup.rts(qp, self.psn, cfg, device, peer)
-        slot = min(peer.buffer_size, cfg.buffer_size)
-        self.send_mr = self.scope.take_region(cfg.window * slot)
-        ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)
-        session.start(
-            peer,
-            sq_depth=int(qp.caps.max_send_wr),
-            send=ring,
-            max_inline=int(qp.caps.max_inline_data),
-            signal_every=cfg.signal_every,
-            high_water=RECEIVE_HIGH_WATER,
-        )
-        # the peer's QP on a device of this very loop: same thread -- spinning would only delay it
-        if any(
-            other.io.key == self.io.key and peer.qp_num in other.poller.routes
-            and any(e.gid.packed == peer.gid for e in other.gids)
-            for other in open_devices()
-        ):  # fmt: skip
-            self._local_peer = True
-            device.poller.add_local_peer(1)
+    @property
+    def device(self) -> Device | None:
+        return self.res.device
+
+    @property
+    def qp(self) -> Any:
+        return self.res.qp
+
+    @property
+    def scope(self) -> Any:
+        return self.res.scope
+
+    @property
+    def qp_num(self) -> int:
+        return self.res.qp_num
 
     async def probe(self) -> None:
         """Prove the path: a zero-length RDMA WRITE must be ACKed (step ``probe``)."""
         session = self.session
         assert session is not None
-        self._enter("probe")
+        self.res.step = "probe"
+        self.backend.before_step("probe")
         wanted = self.want_sends()
         try:
             session.post_probe()
@@ -320,11 +203,12 @@ class RdmaLink(Link):
         core.transport = "rdma"
         core.fallback_reason = ""
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
-        if self.native is not None and self.config.rendezvous and self.peer is not None and self.peer.reads_rendezvous:
+        peer = self.res.peer
+        if self.native is not None and self.config.rendezvous and peer is not None and peer.reads_rendezvous:
             core.rndv_min = self.config.rendezvous
         if self.native is not None:
             core.nic = self.remote  # (one-sided operations on the NIC; rendezvous when rndv_min is set)
-        self._control_watch = control.hand_over(self.io, self._on_control)
+        self.watch.start(control)
         early, self._early = self._early, []  # (the native path: delivered in C before the switch)
         for data in early:
             core.feed(data)
@@ -438,77 +322,6 @@ class RdmaLink(Link):
             self.broke()
         self.wake_all()
 
-    def _on_control(self, data: bytes | None) -> None:
-        """The TCP connection carried ``data`` after the switch, or ended (``None``).
-
-        After the switch the TCP connection is silent but for one thing: a side that closed in
-        order writes its goodbye (a CLOSE frame) once its in-band CLOSE was delivered, then ends
-        the connection.  Anything else -- an end without a goodbye, other bytes -- means the peer
-        is gone (crashed, killed, aborted) or does not speak the protocol."""
-        if self._tcp_lost:
-            return
-        if data is not None:
-            rx = self._control_rx = self._control_rx + data
-            if not self._peer_goodbye and len(rx) <= len(_GOODBYE) and _GOODBYE.startswith(rx):
-                if len(rx) == len(_GOODBYE):
-                    self._on_goodbye()
-                return
-        elif self._peer_goodbye:
-            self._close_control_watch()  # the end that follows the goodbye
-            self._peer_ended = True  # (its QP is going or gone: a CLOSE of ours still in flight finds nobody)
-            self.wake_all()
-            return
-        self._on_control_lost()
-
-    def _on_goodbye(self) -> None:
-        """The peer closed in order: its CLOSE is in our receive queue (its completion came back to
-        it), perhaps not polled yet.  Wait for it over RDMA (bounded), never fail for the TCP end."""
-        self._peer_goodbye = True
-        self._probing = False  # (its QP is going away: a probe, a credit would only fail)
-        if self.session is not None:
-            self.session.quiet = True
-        core = self.core
-        if self.device is not None and not self.device.closed:
-            self.device.poller.poll_now()
-        if core.peer_close is None and core.error is None and not core.closed:
-            timeout = self.config.close_timeout
-            self._goodbye_timer = self.io.call_later(timeout, partial(self._goodbye_expired, timeout))
-
-    def _goodbye_expired(self, timeout: float) -> None:
-        self._goodbye_timer = None
-        core = self.core
-        if core.peer_close is None and core.error is None and not core.closed:
-            core.feed_eof(ConnectionResetError(
-                f"the peer closed the connection in order, but its CLOSE did not arrive over RDMA within {timeout} s"
-            ))  # fmt: skip
-            self._lost_failed()
-
-    def _close_control_watch(self) -> None:
-        if self._control_watch is not None:
-            self._control_watch.close()
-            self._control_watch = None
-
-    def _on_control_lost(self) -> None:
-        """The TCP connection ended without a goodbye (or carried other bytes): the peer is gone."""
-        self._close_control_watch()
-        self._tcp_lost = True
-        if self.device is not None and not self.device.closed:
-            self.device.poller.poll_now()  # was the peer's CLOSE already in the CQ?
-        core = self.core
-        if core.peer_close is None and core.error is None and not core.closed:
-            core.feed_eof(ConnectionResetError("the TCP connection of the RDMA link ended"))
-        self._lost_failed()
-
-    def _lost_failed(self) -> None:
-        """The Core failed for a reason of the TCP side: the session follows, the QP goes to ERROR."""
-        core = self.core
-        session = self.session
-        if session is not None and session.error is None and core.error is not None:
-            session.fail(core.error)
-        if core.error is not None:
-            self._error_qp()
-        self.wake_all()
-
     def broke(self) -> None:
         """The session failed: the Core learns why (once)."""
         session = self.session
@@ -517,9 +330,9 @@ class RdmaLink(Link):
         core = self.core if self._active else None
         if core is not None and error is not None and core.error is None and not core.closed:
             core.on_error(error)
-        self._error_qp()
+        self.error_qp()
 
-    def _error_qp(self) -> None:
+    def error_qp(self) -> None:
         """The connection failed: stop the NIC now, not at ``aclose``.  Moving the QP to ERROR
         completes every outstanding work request as a flush, so a task that waits for one (a
         one-sided operation waits shielded: the NIC owns its memory until its completion) is
@@ -567,8 +380,9 @@ class RdmaLink(Link):
             # message): it wants more, so the peer gets its credits back
             session.release_withheld()
             self._posted(session)
-        if not self._watched and self._probing:
-            self._watch_liveness()
+        watch = self.watch
+        if not watch.watched and watch.probing:
+            watch.watch()
         if parking.wakes != wakes:
             # what ran above (a poll, a finished READ that resumed the protocol) woke the
             # waiters -- this task among them, before it parked: it looks again instead
@@ -654,49 +468,22 @@ class RdmaLink(Link):
             await self.park()
             return wanted
         # only the peer's credits release it: a wait the liveness plan watches, like a reader's
-        if not self._watched and self._probing:
-            self._watch_liveness()
+        watch = self.watch
+        if not watch.watched and watch.probing:
+            watch.watch()
         await self.park()
         return wanted
 
-    # -- liveness (the device's plan looks at waiting connections: aiordma._rdma.liveness) ------
+    # -- what the watch over the peer asks (aiordma._rdma.watch.WatchedLink) --------------------
 
-    def _watch_liveness(self) -> None:
-        device = self.device
-        session = self.session
-        if self._active and device is not None and session is not None and (not self._closing or self._delivering):
-            self._watched = True
-            device.watch_liveness(self, int(session.progress))
+    @property
+    def watching(self) -> bool:
+        """Carrying the Core, and not closing for good (a close that delivers is still watched)."""
+        return self._active and self.qp is not None and (not self._closing or self._delivering)
 
-    def liveness_mark(self) -> int | None:
-        """The plan's look: our progress mark (bytes received and posted) while a task waits,
-        else None (we leave the plan until a task waits again)."""
-        session = self.session
-        if self._probe_wanted and (session is None or not session.probe_outstanding):
-            self._probe_wanted = False  # our probe completed
-            self.unwant_sends(True)
-        if session is None or session.error is not None or (self._closing and not self._delivering) or not len(self._parking):
-            self._watched = False
-            return None
-        return int(session.progress)
-
-    def probe_liveness(self) -> None:
-        """The plan found us silent for a whole gap while a task waits: post a liveness probe
-        (a zero-length RDMA WRITE) unless the last one is still out.  A dead peer fails it within
-        the RC retry budget, which fails the connection and wakes every waiter."""
-        session = self.session
-        if session is None or session.error is not None or self.qp is None or (self._closing and not self._delivering):
-            return
-        if session.probe_outstanding:
-            return  # the last probe has not completed: the retry budget is running
-        session.post_probe()  # (with the send queue full it does not: what fills it times out by itself)
-        if session.error is not None:
-            self.broke()
-            self.wake_all()
-            return
-        if not self._probe_wanted and session.probe_outstanding:
-            # (a failed probe must wake the poller: its completion is not solicited)
-            self._probe_wanted = self.want_sends()
+    @property
+    def waiters(self) -> int:
+        return len(self._parking)
 
     # the non-blocking API (aiordma._conn.nowait.NowaitLink: asyncio's front ends) ------------
 
@@ -733,7 +520,7 @@ class RdmaLink(Link):
     @property
     def lost(self) -> bool:
         session = self.session
-        return session is None or session.error is not None or self._tcp_lost or self._closing
+        return session is None or session.error is not None or self.watch.tcp_lost or self._closing
 
     async def drain(self, low: int = 0) -> None:
         """Wait until at most ``low`` queued bytes are not posted yet."""
@@ -819,7 +606,7 @@ class RdmaLink(Link):
         """Tell the peer, on the TCP connection, that our CLOSE is in its queue (see :meth:`aclose`)."""
         with anyio.move_on_after(self.config.close_timeout):
             try:
-                await control.send([_GOODBYE])
+                await control.send([GOODBYE])
             except (BrokenResourceError, ClosedResourceError, OSError) as exc:
                 log.debug("aiordma: the goodbye on the TCP connection did not go: %r", exc)
 
@@ -835,7 +622,7 @@ class RdmaLink(Link):
         session = self.session
         if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
             return False
-        if self._tcp_lost or (self._active and self.core.peer_close is not None):
+        if self.watch.tcp_lost or (self._active and self.core.peer_close is not None):
             return False  # the peer closed first and reads no more
         return bool(final) or session.backlog or self.remote.rndv_staged > 0
 
@@ -846,7 +633,7 @@ class RdmaLink(Link):
         session = self.session
         if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
             return False
-        return self._active and not self._tcp_lost and self.core.peer_close is not None
+        return self._active and not self.watch.tcp_lost and self.core.peer_close is not None
 
     async def _deliver(self, final: bytes) -> bool:
         """Post the backlog and ``final``, then wait until the peer has it all (see :meth:`aclose`);
@@ -860,12 +647,12 @@ class RdmaLink(Link):
         while True:
             # the peer closed (its CLOSE came, or its goodbye: it closed in order after ours): it reads
             # no more, and the regions it has not READ are done with
-            peer_closed = self.core.peer_close is not None or self._peer_goodbye
+            peer_closed = self.core.peer_close is not None or self.watch.peer_goodbye
             if session.close_sent and (peer_closed or not self.remote.rndv_staged):
                 return True  # our CLOSE is in its queue: the goodbye may tell it so
-            if peer_closed and (session.error is not None or self._tcp_lost or self._peer_ended):
+            if peer_closed and (session.error is not None or self.watch.tcp_lost or self.watch.peer_ended):
                 return False  # both closed; the peer tore down first: nothing was lost that it wanted
-            if session.error is not None or self._tcp_lost:
+            if session.error is not None or self.watch.tcp_lost:
                 self._close_failed = session.error or self.core.error or ConnectionResetError("the TCP connection ended")
                 log.info(
                     "aiordma: closing an RDMA connection: it broke before the peer had everything (%d rendezvous "
@@ -873,8 +660,9 @@ class RdmaLink(Link):
                     self.remote.rndv_staged, "delivered" if session.close_sent else "not delivered", self._close_failed,
                 )  # fmt: skip
                 return False
-            if not self._watched and self._probing:
-                self._watch_liveness()  # a peer host that died is noticed within the retry budget
+            watch = self.watch
+            if not watch.watched and watch.probing:
+                watch.watch()  # a peer host that died is noticed within the retry budget
             await self.park()
 
     def _release_withheld(self) -> None:
@@ -911,10 +699,7 @@ class RdmaLink(Link):
 
     def _destroy(self) -> None:
         """Destroy the QP (the barrier after which the device touches nothing), then release the rest."""
-        self._close_control_watch()
-        if self._goodbye_timer is not None:
-            self._goodbye_timer.close()
-            self._goodbye_timer = None
+        self.watch.stop()
         device = self.device
         errors: list[BaseException] = []
 
@@ -924,64 +709,26 @@ class RdmaLink(Link):
             except Exception as exc:  # every later step runs regardless
                 errors.append(exc)
 
-        if self._routed and device is not None:
-            device.poller.routes.pop(self.qp_num, None)
-            self._routed = False
-        if device is not None:
-            poller = device.poller
-            self._watched = False
-            device.unwatch_liveness(self)
-            if self._probe_wanted:
-                self._probe_wanted = False
-                poller.want_sends(-1)
-            if self._sq_wanted:
-                self._sq_wanted = False
-                poller.want_sends(-1)
-            if self._counted:
-                self._counted = False
-                poller.add_mode(self._mode, -1)
-                if self.native is None:
-                    poller.add_checked(-1)
-            if self._local_peer:
-                self._local_peer = False
-                poller.add_local_peer(-1)
+        res = self.res
+        res.unroute()
+        if self._sq_wanted and device is not None:
+            self._sq_wanted = False
+            device.poller.want_sends(-1)
         # every grant dies first, here and only here: a bound type-2 window holds a reference on
         # its QP (rxe waits, 10 s per object, for those at destroy), and no rkey outlives the QP
         self.remote.revoke_all(attempt)
-        qp_gone = self.qp is None
-        if self.qp is not None:
-            attempt(self.qp.close)
-            qp_gone = bool(getattr(self.qp, "closed", True))
-            self.qp = None
-        if self.cid and device is not None and (qp_gone or device.closed):
-            device.poller.remove_native(self.cid)  # nothing of the QP can complete any more
-            self.cid = 0
-        if self.session is not None and qp_gone and self.session.state is not LinkState.CLOSED:
+        qp_gone = res.destroy_qp(attempt)
+        session = self.session
+        if session is not None and qp_gone and session.state is not LinkState.CLOSED:
             try:
-                self.session.begin_drain()
-                self.session.reclaim()
+                session.begin_drain()
+                session.reclaim()
             except RuntimeError:
                 pass
-        scope = self.scope
         if qp_gone:
             self.remote.release_all(attempt)  # (the QP is gone: nothing touches their memory)
         self.wake_all()  # one-sided operations waiting for a completion: the QP is gone
-        if device is not None:
-            for mr in (self.send_mr, self.recv_mr):
-                if mr is not None:
-                    if qp_gone and scope is not None:
-                        attempt(partial(scope.give_region, mr))
-                    else:  # pragma: no cover - the QP could not be destroyed: never reuse what it may touch
-                        log.error("aiordma: an RDMA QP could not be destroyed; its buffers are leaked on purpose")
-            self.send_mr = self.recv_mr = None
-            if scope is not None and qp_gone and scope is not device and not self.remote.exposures:
-                attempt(scope.close_scope)  # (a connection's own PD: after everything in it)
-                self.scope = None
-            if self._cq_reserved:
-                device.unreserve_cq(self._cq_reserved)
-                self._cq_reserved = 0
-            attempt(device.release)
-            self.device = None
+        res.release(attempt, qp_gone, keep_scope=self.remote.exposures > 0)
         callbacks, self.on_destroyed = self.on_destroyed, []
         for callback in callbacks:
             attempt(callback)
@@ -1000,7 +747,7 @@ class RdmaLink(Link):
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         attrs = dict(self.control.extra_attributes) if self.control is not None else {}
-        device = self.gid_entry.device
+        device = self.res.gid_entry.device
         qp_num = self.qp_num
         attrs[TransportAttribute.device] = lambda: device
         attrs[TransportAttribute.qp_num] = lambda: qp_num

@@ -62,7 +62,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Poller", "CompletionReceiver", "POLL_MODES"]
+__all__ = ["Poller", "CompletionReceiver", "NativeReceiver", "POLL_MODES"]
 
 log = logging.getLogger("aiordma")
 
@@ -80,6 +80,14 @@ _now = time.monotonic  # (a module global so that tests can drive the clock)
 
 class CompletionReceiver(Protocol):
     def on_completions(self, entries: list[Entry]) -> None: ...
+
+
+class NativeReceiver(CompletionReceiver, Protocol):
+    """A native-path connection: the C pass of a wake processed its completions."""
+
+    def on_native(self, view: memoryview | None, early: int) -> None: ...
+
+    def on_fatal(self, exc: BaseException) -> None: ...
 
 
 class Poller:
@@ -120,7 +128,7 @@ class Poller:
             self._with_imm = int(lib.IBV_WC_WITH_IMM)
             self._wake: Callable[..., int] = cq.native_waker(channel)
             self.chans = ffi.new("struct aiordma_chan *[]", _MAX_CHANS)
-            self.links: dict[int, Any] = {}
+            self.links: dict[int, NativeReceiver] = {}
             # freed cids are reused oldest first, and only after every fresh one was handed
             # out, each time with the next generation (see _native/aiordma_fast.h)
             self._free: deque[int] = deque()
@@ -153,7 +161,7 @@ class Poller:
             self._deliv_mv = memoryview(self._deliv)
             self._deliv_cap = need
 
-    def add_native(self, link: Any) -> tuple[int, int]:
+    def add_native(self, link: NativeReceiver) -> tuple[int, int]:
         """A cid and its generation for a native-path connection (its chan is set with :meth:`set_chan`)."""
         if self._next_cid < _MAX_CHANS:
             cid = self._next_cid

@@ -74,10 +74,16 @@ class LinkSide(Protocol):
         """The session that posts one-sided work requests (the native path's), else None."""
         ...
 
-    scope: Any
-    qp: Any
-    device: Any
     needs_consumed: bool
+
+    @property
+    def scope(self) -> Any: ...
+
+    @property
+    def qp(self) -> Any: ...
+
+    @property
+    def device(self) -> Any: ...
 
     def want_sends(self) -> bool:
         """Be woken by every completion (one-sided ones are not solicited); returns whether armed."""
