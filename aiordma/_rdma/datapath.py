@@ -13,7 +13,7 @@ A connection's session decides what to post and what a completion means; the lin
 Either way the session owns posting: the link never builds a work request, never reads a
 session's private fields, and calls one :meth:`DataPath.send` per send.  A post the QP refuses
 fails the session (:attr:`DataPath.error`); the link checks ``error`` after the calls that post
-and fails the Core (one error boundary, ``link._broke``).
+and fails the Core (one error boundary, ``RdmaLink.broke``).
 
 Buffer ownership is the device's from post until the completion is polled, in both sessions
 (``session.py``, "Buffers").

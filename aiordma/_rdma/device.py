@@ -36,6 +36,8 @@ import errno
 import logging
 from typing import Any, Protocol
 
+from .objects import Domain, Region
+
 from .._errors import RDMAError
 from .._io.backends import IOBackend, Watch
 from .constants import GidEntry, gid_bytes
@@ -118,11 +120,11 @@ class Device:
         self.closed = False
         self._key: tuple[object, object, str] | None = None
         self.ctx: Any = None
-        self.pd: Any = None
+        self._pd: Domain | None = None
         self.channel: Any = None
         self.cq: Any = None
         self._watches: list[Watch] = []
-        self._regions: dict[int, list[Any]] = {}
+        self._regions: dict[int, list[Region]] = {}
         #: user memory registered here (aiordma.RegisteredBuffer / register()) -> its region
         self._user: dict[Any, Any] = {}
         #: connections a task waits on, looked at by one timer (see the module docs)
@@ -134,7 +136,7 @@ class Device:
             self.attr = ctx.query_device()
             self.port_attr = ctx.query_port(1)
             self.gids: list[GidEntry] = list(ctx.query_gid_table())  # one verbs call, not a sysfs walk
-            self.pd = ctx.alloc_pd()
+            self._pd = ctx.alloc_pd()
             self.windows = self._has_windows()
             self.channel = ctx.create_comp_channel()
             self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
@@ -161,6 +163,14 @@ class Device:
             log.info("aiordma: %s has no type 2 memory windows (%s): a protection domain per connection", self.name, exc)
             return False
         return True
+
+    @property
+    def pd(self) -> Domain:
+        """The device's protection domain (shared by the connections of this loop that use windows)."""
+        pd = self._pd
+        if pd is None:
+            raise RDMAError(errno.ENODEV, "ibv_alloc_pd", f"the device {self.name} is not open")
+        return pd
 
     def scope(self) -> Device | PrivateScope:
         """Where one new connection's memory lives: this device's shared PD (with windows), or a
@@ -199,7 +209,7 @@ class Device:
 
     # -- registered regions ------------------------------------------------------------
 
-    def take_region(self, length: int) -> Any:
+    def take_region(self, length: int) -> Region:
         """A registered, local-only region of ``length`` bytes (recycled when possible)."""
         cached = self._regions.get(length)
         if cached:
@@ -208,7 +218,7 @@ class Device:
 
         return self.pd.reg_mr(length, Access.LOCAL_WRITE)
 
-    def give_region(self, mr: Any) -> None:
+    def give_region(self, mr: Region) -> None:
         """Return a region whose QP is destroyed (the device can no longer touch it)."""
         if self.closed:
             mr.close()
@@ -234,14 +244,14 @@ class Device:
         self._user.pop(mem, None)
         mr.close()
 
-    def register_exposed(self, view: memoryview, access: int) -> Any:
+    def register_exposed(self, view: memoryview, access: int) -> Region:
         """A region a window may make reachable (``access``: what the window will grant; the
         region itself grants nothing remote).  Read-only memory needs no local write."""
         from .constants import Access
 
         return self.pd.reg_buffer(view, (Access.LOCAL_WRITE if access & Access.REMOTE_WRITE else 0) | Access.MW_BIND)
 
-    def staging_region(self, length: int) -> Any:
+    def staging_region(self, length: int) -> Region:
         """A region for staged rendezvous messages (local-only; windows grant the READs)."""
         from .constants import Access
 
@@ -361,8 +371,8 @@ class Device:
             self._user.pop(mem, None)
             if mr is not None:
                 attempt(mr.close)
-        if self.pd is not None:
-            attempt(self.pd.close)
+        if self._pd is not None:
+            attempt(self._pd.close)
         if self.ctx is not None:
             attempt(self.ctx.close)
         for exc in errors:
@@ -384,16 +394,16 @@ class PrivateScope:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.name = device.name
-        self.pd = device.ctx.alloc_pd()
+        self.pd: Domain = device.ctx.alloc_pd()
         self.closed = False
         self._user: dict[Any, Any] = {}
 
-    def take_region(self, length: int) -> Any:
+    def take_region(self, length: int) -> Region:
         from .constants import Access
 
         return self.pd.reg_mr(length, Access.LOCAL_WRITE)
 
-    def give_region(self, mr: Any) -> None:
+    def give_region(self, mr: Region) -> None:
         mr.close()
 
     def register_user(self, mem: Any, view: memoryview) -> Any:
@@ -409,13 +419,13 @@ class PrivateScope:
         self._user.pop(mem, None)
         mr.close()
 
-    def register_exposed(self, view: memoryview, access: int) -> Any:
+    def register_exposed(self, view: memoryview, access: int) -> Region:
         """The region itself carries the remote access: this PD is this connection's alone."""
         from .constants import Access
 
         return self.pd.reg_buffer(view, (Access.LOCAL_WRITE if access & Access.REMOTE_WRITE else 0) | access)
 
-    def staging_region(self, length: int) -> Any:
+    def staging_region(self, length: int) -> Region:
         from .constants import Access
 
         return self.pd.reg_mr(length, Access.LOCAL_WRITE | Access.REMOTE_READ)

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import anyio
 from anyio import BrokenResourceError
 
-from .._conn.core import RECEIVE_HIGH_WATER, Core
+from .._conn.core import RECEIVE_HIGH_WATER, Core, NicExposure, NicRegion
 from .._conn.memory import count_staged, find_registered, release_pinned, reserve_pinned
 from .._errors import RDMAError
 from .._proto.onesided import READ, WRITE, Rendezvous, RemoteMemoryError
 from .constants import Access, WCStatus, wc_status_name
 from .datapath import OneSidedPath
+from .objects import Region, Scope, Window
 
 __all__ = ["RemoteOps", "LinkSide", "StreamFetch"]
 
@@ -36,15 +37,21 @@ STAGE = 4 << 20
 STAGE_BYTES_MAX = 64 << 20
 
 
+def _ours(staged: NicRegion) -> Region:
+    """A staging region the Core hands back: one :meth:`RemoteOps.rndv_take` gave it (the Core
+    only sees its address and bytes)."""
+    return cast(Region, staged)
+
+
 class _Exposed:
     """One exposure of this connection: its region, the window that grants it, what to announce."""
 
     __slots__ = ("region", "nbytes", "window", "rkey")
 
-    def __init__(self, region: Any, nbytes: int) -> None:
+    def __init__(self, region: Region, nbytes: int) -> None:
         self.region = region
         self.nbytes = nbytes
-        self.window: Any = None
+        self.window: Window | None = None
         self.rkey = 0
 
     @property
@@ -58,7 +65,7 @@ class StreamFetch:
 
     __slots__ = ("rv", "region", "seq", "wanted")
 
-    def __init__(self, rv: Rendezvous, region: Any) -> None:
+    def __init__(self, rv: Rendezvous, region: Region) -> None:
         self.rv = rv
         self.region = region
         self.seq = 0  # the READ's sequence number (0: not posted yet)
@@ -77,7 +84,7 @@ class LinkSide(Protocol):
     needs_consumed: bool
 
     @property
-    def scope(self) -> Any: ...
+    def scope(self) -> Scope | None: ...
 
     @property
     def qp(self) -> Any: ...
@@ -112,8 +119,8 @@ class RemoteOps:
         self._qp_access = qp_access  # what the peer may do on our QP (grows: _allow)
         self._exposed: dict[int, _Exposed] = {}  # id -> an exposure (its region and grant)
         # rendezvous: regions the peer may READ (this connection's only), staged or free
-        self._rndv_held: dict[int, tuple[Any, Any]] = {}  # message id -> (region, window)
-        self._rndv_free: dict[int, list[Any]] = {}
+        self._rndv_held: dict[int, tuple[Region, Window | None]] = {}  # message id -> (region, window)
+        self._rndv_free: dict[int, list[Region]] = {}
         self.rndv_staged = 0
         self.rndv_limit = rndv_limit
         #: a byte stream's rendezvous being READ (one at a time: the protocol pauses after it)
@@ -126,6 +133,13 @@ class RemoteOps:
     def qp_access(self) -> int:
         """What the peer may do on our QP (``Access`` flags)."""
         return self._qp_access
+
+    def _scope(self) -> Scope:
+        """Where this connection's memory lives; gone once the link is torn down."""
+        scope = self._link.scope
+        if scope is None:
+            raise BrokenResourceError("the RDMA connection is gone")
+        return scope
 
     def completed(self, done: list[tuple[int, int]]) -> None:
         """One-sided work requests completed (``(seq, wc status)``, from the session)."""
@@ -186,12 +200,12 @@ class RemoteOps:
             self._link.qp.set_access(want)
             self._qp_access = want
 
-    async def _grant(self, mr: Any, addr: int, length: int, access: int) -> tuple[Any, int]:
+    async def _grant(self, mr: Region, addr: int, length: int, access: int) -> tuple[Window | None, int]:
         """Let the peer reach ``[addr, addr + length)`` of ``mr`` with ``access``, through this QP
         only: ``(window, rkey)``; the window is None in a connection's own PD (the region's rkey
         is the grant).  Returns once the grant is in force (the window's bind completed)."""
         self._allow(access)
-        scope = self._link.scope
+        scope = self._scope()
         if not scope.windows:
             return None, int(mr.rkey)
         mw = scope.pd.alloc_mw()
@@ -219,12 +233,12 @@ class RemoteOps:
         return mw, int(mw.rkey)
 
     @staticmethod
-    def _revoke(window: Any) -> None:
+    def _revoke(window: Window | None) -> None:
         """End a grant: the window's rkey is dead when this returns (``ibv_dealloc_mw``)."""
         if window is not None:
             window.close()
 
-    async def expose_region(self, view: memoryview, access: int) -> Any:
+    async def expose_region(self, view: memoryview, access: int) -> _Exposed:
         """Register ``view`` for the peer alone to reach (REMOTE_READ / REMOTE_WRITE as granted);
         the returned exposure has the ``addr`` and ``rkey`` to announce."""
         device = self._link.device
@@ -246,11 +260,12 @@ class RemoteOps:
             raise
         return exposed
 
-    def release_region(self, exposed: Any) -> None:
+    def release_region(self, handle: NicExposure) -> None:
         """End an exposure (after the revocation; idempotent): its window dies, then its region
         is deregistered.  A region whose deregistration fails stays listed (the teardown tries
         again); its window is dead already, so nothing of it is reachable."""
-        if id(exposed) not in self._exposed:
+        exposed = self._exposed.get(id(handle))
+        if exposed is None:
             return
         window, exposed.window = exposed.window, None
         self._revoke(window)
@@ -310,7 +325,7 @@ class RemoteOps:
     # then the grant dies (the window is deallocated; a private region is deregistered) and only a
     # region that grants nothing by itself goes back to the free list.
 
-    def rndv_take(self, n: int) -> Any:
+    def rndv_take(self, n: int) -> Region:
         """A region of at least ``n`` bytes to stage a message in (sizes are powers of two, reused)."""
         size = max(64 << 10, 1 << max(0, n - 1).bit_length())
         free = self._rndv_free.get(size)
@@ -326,17 +341,19 @@ class RemoteOps:
             release_pinned(size)
             raise
 
-    async def rndv_grant(self, region: Any, n: int) -> tuple[Any, int]:
+    async def rndv_grant(self, staged: NicRegion, n: int) -> tuple[Window | None, int]:
         """Let the peer READ the first ``n`` bytes of a staged region: ``(window, rkey)``.  On an
         error the region is given back (not announced)."""
+        region = _ours(staged)
         try:
             return await self._grant(region, int(region.addr), n, Access.REMOTE_READ)
         except BaseException:
             self._rndv_put_back(region)
             raise
 
-    def rndv_hold(self, mid: int, region: Any, window: Any = None) -> None:
-        self._rndv_held[mid] = (region, window)
+    def rndv_hold(self, mid: int, staged: NicRegion, grant: object = None) -> None:
+        region = _ours(staged)
+        self._rndv_held[mid] = (region, cast("Window | None", grant))  # (rndv_grant's)
         self.rndv_staged += int(region.length)
 
     def rndv_release(self, mid: int) -> None:
@@ -350,12 +367,12 @@ class RemoteOps:
         self._rndv_put_back(region)
         self._link.wake_all()  # a sender may wait for room
 
-    def rndv_discard(self, region: Any, window: Any) -> None:
+    def rndv_discard(self, staged: NicRegion, grant: object) -> None:
         """A staged region that is not announced after all: its grant dies, the region goes back."""
-        self._revoke(window)
-        self._rndv_put_back(region)
+        self._revoke(cast("Window | None", grant))  # (rndv_grant's)
+        self._rndv_put_back(_ours(staged))
 
-    def _rndv_put_back(self, region: Any) -> None:
+    def _rndv_put_back(self, region: Region) -> None:
         """A staging region no grant reaches any more: cached for the next message (when it grants
         nothing by itself), else closed."""
         cached = sum(int(r.length) for rs in self._rndv_free.values() for r in rs)
@@ -364,7 +381,7 @@ class RemoteOps:
         else:
             self._close_rndv(region)
 
-    def _close_rndv(self, region: Any) -> None:
+    def _close_rndv(self, region: Region) -> None:
         n = int(region.length)
         try:
             region.close()
@@ -380,11 +397,12 @@ class RemoteOps:
             self._link.core.resume_after_rendezvous()
             return
         device = self._link.device
-        if device is None or device.closed or self.fetch is not None:
+        scope = self._link.scope
+        if device is None or device.closed or scope is None or self.fetch is not None:
             self._link.core.on_error(BrokenResourceError("a rendezvous arrived while the connection cannot READ it"))
             return
         size = max(64 << 10, 1 << max(0, rv.length - 1).bit_length())
-        self.fetch = StreamFetch(rv, self._link.scope.take_region(size))
+        self.fetch = StreamFetch(rv, scope.take_region(size))
         self.fetch_step()
 
     def fetch_step(self, force: bool = False) -> None:
@@ -460,7 +478,7 @@ class RemoteOps:
             await self.rdma(False, memoryview(buf), raddr, rkey)
             return bytes(buf)
         size = max(64 << 10, 1 << (n - 1).bit_length())
-        scope = self._link.scope
+        scope = self._scope()
         region = scope.take_region(size)
         try:
             await self._one_sided(False, int(region.addr), n, int(region.lkey), raddr, rkey)

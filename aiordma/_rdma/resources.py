@@ -41,6 +41,7 @@ from .constants import MTU_TO_ENUM
 from .datapath import ChanView, DataPath
 from .device import Device, acquire_device, open_devices
 from .fastpath import NativeSession
+from .objects import Region, Scope
 from .params import RdmaParams
 from .poller import NativeReceiver
 from .session import Ring
@@ -64,11 +65,11 @@ class LinkResources:
         self.gid_entry: Any = None
         #: where this connection's memory lives: the device (shared PD, memory windows) or its own
         #: protection domain (a device without windows): see device.py
-        self.scope: Any = None
+        self.scope: Scope | None = None
         self.qp: Any = None
         self.qp_num = 0
-        self.recv_mr: Any = None
-        self.send_mr: Any = None
+        self.recv_mr: Region | None = None
+        self.send_mr: Region | None = None
         #: the connection's session (it decides what to post, and posts): see datapath.py
         self.session: DataPath | None = None
         #: the same session when it is the native one (its completions are processed in C)
@@ -125,8 +126,8 @@ class LinkResources:
         self._enter("init")
         qp_setup.to_init(qp, entry)
         self._enter("memory")
-        self.recv_mr = scope.take_region(buffers * cfg.buffer_size)
-        ring = Ring(self.recv_mr.view(), self.recv_mr.addr, self.recv_mr.lkey, cfg.buffer_size, buffers)
+        self.recv_mr = recv_mr = scope.take_region(buffers * cfg.buffer_size)
+        ring = Ring(recv_mr.view(), recv_mr.addr, recv_mr.lkey, cfg.buffer_size, buffers)
         poller = device.poller
         self._mode = cfg.poll_mode
         session: DataPath
@@ -188,8 +189,8 @@ class LinkResources:
 
     def _connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
         cfg = self.config
-        session, qp, device = self.session, self.qp, self.device
-        assert session is not None and device is not None
+        session, qp, device, scope = self.session, self.qp, self.device, self.scope
+        assert session is not None and device is not None and scope is not None
         self._enter("params")
         self.peer = peer = qp_setup.check_peer(peer_raw, peer_ip)
         self._enter("rtr")
@@ -197,8 +198,8 @@ class LinkResources:
         self._enter("rts")
         qp_setup.rts(qp, self.psn, cfg, device, peer)
         slot = min(peer.buffer_size, cfg.buffer_size)
-        self.send_mr = self.scope.take_region(cfg.window * slot)
-        ring = Ring(self.send_mr.view(), self.send_mr.addr, self.send_mr.lkey, slot, cfg.window)
+        self.send_mr = send_mr = scope.take_region(cfg.window * slot)
+        ring = Ring(send_mr.view(), send_mr.addr, send_mr.lkey, slot, cfg.window)
         session.start(
             peer,
             sq_depth=int(qp.caps.max_send_wr),

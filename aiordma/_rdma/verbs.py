@@ -47,7 +47,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .._errors import PostError, RDMAError, RDMAUnavailableError
 from .lifetime import Resource
@@ -1233,3 +1233,10 @@ def iter_gids(ctx: Context, port: int = 1) -> Iterator[tuple[int, ipaddress.IPv6
             continue
         if g.packed != bytes(16):
             yield i, g
+
+
+if TYPE_CHECKING:  # mypy holds these objects to the interfaces the transport uses (aiordma._rdma.objects)
+    from .objects import Domain, Region, Window
+
+    def _held(mr: MemoryRegion, mw: MemoryWindow, pd: ProtectionDomain) -> tuple[Region, Window, Domain]:
+        return mr, mw, pd

@@ -59,7 +59,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from .._errors import PostError, RDMAError
 from .._rdma.lifetime import Resource
@@ -1474,3 +1474,10 @@ def _imm(value: int) -> int:
     if not 0 <= value <= 0xFFFFFFFF:
         raise OverflowError(f"immediate data must fit in 32 bits, got {value}")
     return value
+
+
+if TYPE_CHECKING:  # mypy holds these objects to the interfaces the transport uses (aiordma._rdma.objects)
+    from .._rdma.objects import Domain, Region, Window
+
+    def _held(mr: SimMemoryRegion, mw: SimMemoryWindow, pd: SimProtectionDomain) -> tuple[Region, Window, Domain]:
+        return mr, mw, pd
