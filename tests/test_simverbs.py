@@ -725,6 +725,38 @@ def test_parents_refuse_to_close_before_children(fab: SimFabric) -> None:
     assert e.value.errno == errno.EBADF
 
 
+def test_objects_of_another_provider_are_refused(fab: SimFabric) -> None:
+    """An object handed back to the provider (a CQ to create_qp, an array to poll_into, a window
+    to bind) must be its own: anything else is a TypeError naming the call, and nothing is made."""
+
+    class Impostor:
+        rkey = 0
+        cqe = 8
+
+    a, b = side(fab, "simA"), side(fab, "simB")
+    bring_up(fab, a, b)
+    mw = a.pd.alloc_mw()
+    live = fab.live_objects()
+    calls = [
+        ("ibv_create_qp", lambda: a.pd.create_qp(Impostor())),  # type: ignore[arg-type]
+        ("ibv_create_qp", lambda: a.pd.create_qp(a.cq, Impostor())),  # type: ignore[arg-type]
+        ("ibv_create_cq", lambda: a.ctx.create_cq(8, Impostor())),  # type: ignore[arg-type]
+        ("ibv_poll_cq", lambda: a.cq.poll_into(Impostor())),  # type: ignore[arg-type]
+        ("aiordma_wake", lambda: a.cq.native_waker(Impostor())),  # type: ignore[arg-type]
+        ("BIND_MW", lambda: a.qp.post_bind_mw(1, Impostor(), a.mr, a.mr.addr, 8, Access.REMOTE_READ)),  # type: ignore[arg-type]
+        ("BIND_MW", lambda: a.qp.post_bind_mw(1, mw, Impostor(), 0, 8, Access.REMOTE_READ)),  # type: ignore[arg-type]
+    ]
+    for call, attempt in calls:
+        with pytest.raises(TypeError, match=call):
+            attempt()
+    assert fab.live_objects() == live
+    assert a.qp.state == QPState.RTS and not a.cq.poll()  # (a refused bind posted nothing)
+    mw.close()
+    a.close()
+    b.close()
+    assert fab.live_objects() == dict.fromkeys(live, 0)
+
+
 def test_everything_released(fab: SimFabric) -> None:
     def fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))

@@ -46,7 +46,7 @@ import os
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from .._errors import AiordmaError, MemlockLimitError
 
@@ -202,6 +202,26 @@ def memlock_advice(
 
 
 
+class Registration(Protocol):
+    """This memory's region on one device (``_rdma.objects.Region`` satisfies it)."""
+
+    addr: int
+    lkey: int
+
+    def close(self) -> None:
+        """Deregister (idempotent)."""
+
+
+class Registrar(Protocol):
+    """Where memory registers: a device (shared PD) or one connection's own PD."""
+
+    def register_user(self, mem: RegisteredMemory, view: memoryview) -> Registration:
+        """Register ``view`` (``mem``'s bytes) for local access; remembered until unregistered."""
+        ...
+
+    def unregister_user(self, mem: RegisteredMemory, mr: Registration) -> None: ...
+
+
 class RegisteredMemory:
     """Memory registered for RDMA (see the module docs).  Use :class:`RegisteredBuffer` or
     :func:`register`; release with :meth:`close` or ``with``."""
@@ -209,7 +229,7 @@ class RegisteredMemory:
     # (the attributes live in the concrete classes: RegisteredBuffer is an mmap subclass)
     _view: memoryview
     _addr: int
-    _mrs: dict[Any, Any]
+    _mrs: dict[Registrar, Registration]
     _busy: int
     _closed: bool
 
@@ -243,7 +263,7 @@ class RegisteredMemory:
         """Whether the NIC may use the memory right now (an operation in flight, an exposure)."""
         return self._busy > 0
 
-    def mr_for(self, device: Any) -> Any:
+    def mr_for(self, device: Registrar) -> Registration:
         """This memory's registration on ``device`` (registered on first use: counted as a miss)."""
         mr = self._mrs.get(device)
         if mr is not None:
@@ -261,7 +281,7 @@ class RegisteredMemory:
         self._mrs[device] = mr
         return mr
 
-    def forget_device(self, device: Any) -> Any:
+    def forget_device(self, device: Registrar) -> Registration | None:
         """The device closes: its registration goes (the caller deregisters the returned MR)."""
         mr = self._mrs.pop(device, None)
         if mr is not None:
@@ -288,7 +308,8 @@ class RegisteredMemory:
         self._closed = True
         for device in list(self._mrs):
             mr = self.forget_device(device)
-            device.unregister_user(self, mr)
+            if mr is not None:
+                device.unregister_user(self, mr)
         if self._view.nbytes:
             _state.live.pop(self._addr, None)
         self._release()

@@ -12,6 +12,7 @@ from .params import RdmaParams
 from .poller import POLL_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import objects
     from .device import VerbsProvider
 
 __all__ = ["RdmaConfig", "RdmaBackend", "RdmaSetupError", "NativeProvider"]
@@ -138,12 +139,12 @@ class NativeProvider:
     name = "native"
     key: object = "native"  # every NativeProvider reaches the same devices
 
-    def open_context(self, name: str) -> Any:
+    def open_context(self, name: str) -> objects.Context:
         from .verbs import Context  # the native module loads here, when RDMA is first needed
 
         return Context(name)
 
-    def WCArray(self, n: int) -> Any:  # noqa: N802 - mirrors the class name
+    def WCArray(self, n: int) -> objects.WorkCompletions:  # noqa: N802 - mirrors the class name
         from .verbs import WCArray
 
         return WCArray(n)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final, Protocol
 
 __all__ = [
     "Access",
@@ -279,6 +279,12 @@ class PortAttr:
     max_msg_sz: int
 
 
+class Numbered(Protocol):
+    """What an asynchronous event says of its QP (``objects.QueuePair`` has it)."""
+
+    qp_num: int
+
+
 @dataclass(frozen=True, slots=True)
 class AsyncEvent:
     """An acknowledged asynchronous event and the object it concerns.
@@ -291,6 +297,6 @@ class AsyncEvent:
     name: str  # "IBV_EVENT_QP_FATAL"
     description: str  # ibv_event_type_str()
     element_kind: str  # "qp", "cq", "srq", "wq", "port", "device", "none"
-    qp: Any = None  # the QueuePair object, if it is one of this context's
-    cq: Any = None  # likewise the CompletionQueue
+    qp: Numbered | None = None  # the QueuePair object, if it is one of this context's
+    cq: object = None  # likewise the CompletionQueue
     port: int | None = None

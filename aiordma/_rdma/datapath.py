@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .constants import SendWR
+from .objects import Completion, Poster
 from .params import RdmaParams
 from .session import Ring
 from .states import LinkState
@@ -33,22 +33,6 @@ __all__ = ["DataPath", "OneSidedPath", "Poster", "ChanView", "Completion", "Chun
 
 #: bytes to send (the caller's: see :meth:`DataPath.send` for how long the session may keep them)
 Chunk = bytes | bytearray | memoryview
-#: one polled work completion: (wr_id, status, opcode, byte_len, imm or -1, qp_num)
-Completion = tuple[int, int, int, int, int, int]
-
-
-class Poster(Protocol):
-    """The QP, as a session posts on it (``verbs.QueuePair``, or the simulated wire's)."""
-
-    def post_send(self, wr: SendWR) -> None: ...
-
-    def post_send_imm(self, wr_id: int, addr: int, length: int, lkey: int, imm_data: int, flags: int) -> None: ...
-
-    def post_send_batch(self, wrs: Sequence[SendWR]) -> None: ...
-
-    def post_recv_one(self, addr: int, length: int, lkey: int, wr_id: int) -> None: ...
-
-    def post_recv_batch(self, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int]) -> None: ...
 
 
 class DataPath(Protocol):

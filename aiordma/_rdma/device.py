@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .objects import Domain, Region
+from .objects import CompletionChannel, CompletionQueue, Context, Domain, Region, WorkCompletions
 
 from .._errors import RDMAError
 from .._io.backends import IOBackend, Watch
@@ -44,6 +45,9 @@ from .constants import GidEntry, gid_bytes
 from .discovery import Probe
 from .liveness import ProbePlan
 from .poller import Poller
+
+if TYPE_CHECKING:
+    from .._conn.memory import RegisteredMemory, Registration
 
 __all__ = ["Device", "DeviceHold", "VerbsProvider", "acquire_device", "open_devices"]
 
@@ -63,9 +67,9 @@ class VerbsProvider(Protocol):
     #: what identifies the provider's devices: providers with the same key share per-loop devices
     key: object
 
-    def open_context(self, name: str) -> Any: ...
+    def open_context(self, name: str) -> Context: ...
     def device_names(self) -> list[str]: ...
-    def WCArray(self, n: int) -> Any: ...  # noqa: N802
+    def WCArray(self, n: int) -> WorkCompletions: ...  # noqa: N802
     def gid_for_ip(self, ip: str) -> GidEntry | None: ...
     def probe(self) -> Probe: ...
     def live_objects(self) -> dict[str, int]: ...
@@ -119,33 +123,33 @@ class Device:
         self.refs = 0
         self.closed = False
         self._key: tuple[object, object, str] | None = None
-        self.ctx: Any = None
+        self._ctx: Context | None = None
         self._pd: Domain | None = None
-        self.channel: Any = None
-        self.cq: Any = None
+        self._channel: CompletionChannel | None = None
+        self._cq: CompletionQueue | None = None
         self._watches: list[Watch] = []
         self._regions: dict[int, list[Region]] = {}
         #: user memory registered here (aiordma.RegisteredBuffer / register()) -> its region
-        self._user: dict[Any, Any] = {}
+        self._user: dict[RegisteredMemory, Registration] = {}
         #: connections a task waits on, looked at by one timer (see the module docs)
         self.liveness: ProbePlan[Watched] = ProbePlan()
         self._liveness_timer: Watch | None = None
         self._liveness_due = 0.0
         try:
-            self.ctx = ctx = provider.open_context(name)
+            self._ctx = ctx = provider.open_context(name)
             self.attr = ctx.query_device()
             self.port_attr = ctx.query_port(1)
             self.gids: list[GidEntry] = list(ctx.query_gid_table())  # one verbs call, not a sysfs walk
             self._pd = ctx.alloc_pd()
             self.windows = self._has_windows()
-            self.channel = ctx.create_comp_channel()
-            self.cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), self.channel)
-            self.cq_free: int = int(self.cq.cqe)
+            self._channel = channel = ctx.create_comp_channel()
+            self._cq = cq = ctx.create_cq(max(64, min(CQ_ENTRIES, int(self.attr.max_cqe) or CQ_ENTRIES)), channel)
+            self.cq_free: int = int(cq.cqe)
             native_of = getattr(provider, "native", None)
-            self.poller = Poller(self.cq, self.channel, provider.WCArray(64), native_of() if native_of else None)
+            self.poller = Poller(cq, channel, provider.WCArray(64), native_of() if native_of else None)
             self.poller.on_error = self._fail_all
             on_fd = self.poller._native_pass if self.poller.native is not None else self.poller.on_readable
-            self._watches.append(io.watch(self.channel.fileno(), on_fd, self.poller.spin))
+            self._watches.append(io.watch(channel.fileno(), on_fd, self.poller.spin))
             self._watches.append(io.watch(ctx.fileno(), self._on_async_event))
             self.poller.poll_now()  # arms the CQ
         except BaseException:
@@ -171,6 +175,22 @@ class Device:
         if pd is None:
             raise RDMAError(errno.ENODEV, "ibv_alloc_pd", f"the device {self.name} is not open")
         return pd
+
+    @property
+    def ctx(self) -> Context:
+        """The device context (raises once the device is closed)."""
+        ctx = self._ctx
+        if ctx is None or self.closed:
+            raise RDMAError(errno.ENODEV, "ibv_open_device", f"the device {self.name} is not open")
+        return ctx
+
+    @property
+    def cq(self) -> CompletionQueue:
+        """The CQ every connection of this loop on the device shares."""
+        cq = self._cq
+        if cq is None or self.closed:
+            raise RDMAError(errno.ENODEV, "ibv_create_cq", f"the device {self.name} is not open")
+        return cq
 
     def scope(self) -> Device | PrivateScope:
         """Where one new connection's memory lives: this device's shared PD (with windows), or a
@@ -230,7 +250,7 @@ class Device:
         else:
             mr.close()
 
-    def register_user(self, mem: Any, view: memoryview) -> Any:
+    def register_user(self, mem: RegisteredMemory, view: memoryview) -> Region:
         """Register user memory (local access: sources of sends and WRITEs, targets of READs)."""
         from .constants import Access
 
@@ -240,7 +260,7 @@ class Device:
         self._user[mem] = mr
         return mr
 
-    def unregister_user(self, mem: Any, mr: Any) -> None:
+    def unregister_user(self, mem: RegisteredMemory, mr: Registration) -> None:
         self._user.pop(mem, None)
         mr.close()
 
@@ -347,34 +367,35 @@ class Device:
             self._liveness_timer = None
         errors: list[BaseException] = []
 
-        def attempt(action: Any) -> None:
+        def attempt(action: Callable[[], object]) -> None:
             try:
                 action()
             except Exception as exc:  # teardown goes on whatever one step says
                 errors.append(exc)
 
-        if self.channel is not None:
-            self.io.notify_closing(self.channel.fileno())
-            attempt(self.channel.drain_events)
-        if self.ctx is not None:
-            self.io.notify_closing(self.ctx.fileno())
-        if self.cq is not None:
-            attempt(self.cq.close)
-        if self.channel is not None:
-            attempt(self.channel.close)
+        channel, ctx, cq = self._channel, self._ctx, self._cq
+        if channel is not None:
+            self.io.notify_closing(channel.fileno())
+            attempt(channel.drain_events)
+        if ctx is not None:
+            self.io.notify_closing(ctx.fileno())
+        if cq is not None:
+            attempt(cq.close)
+        if channel is not None:
+            attempt(channel.close)
         for regions in self._regions.values():
             for mr in regions:
                 attempt(mr.close)
         self._regions.clear()
         for mem in list(self._user):
-            mr = mem.forget_device(self)
+            registration = mem.forget_device(self)
             self._user.pop(mem, None)
-            if mr is not None:
-                attempt(mr.close)
+            if registration is not None:
+                attempt(registration.close)
         if self._pd is not None:
             attempt(self._pd.close)
-        if self.ctx is not None:
-            attempt(self.ctx.close)
+        if ctx is not None:
+            attempt(ctx.close)
         for exc in errors:
             log.warning("aiordma: closing RDMA device %s: %s", self.name, exc)
 
@@ -396,7 +417,7 @@ class PrivateScope:
         self.name = device.name
         self.pd: Domain = device.ctx.alloc_pd()
         self.closed = False
-        self._user: dict[Any, Any] = {}
+        self._user: dict[RegisteredMemory, Registration] = {}
 
     def take_region(self, length: int) -> Region:
         from .constants import Access
@@ -406,7 +427,7 @@ class PrivateScope:
     def give_region(self, mr: Region) -> None:
         mr.close()
 
-    def register_user(self, mem: Any, view: memoryview) -> Any:
+    def register_user(self, mem: RegisteredMemory, view: memoryview) -> Region:
         from .constants import Access
 
         if self.closed:
@@ -415,7 +436,7 @@ class PrivateScope:
         self._user[mem] = mr
         return mr
 
-    def unregister_user(self, mem: Any, mr: Any) -> None:
+    def unregister_user(self, mem: RegisteredMemory, mr: Registration) -> None:
         self._user.pop(mem, None)
         mr.close()
 

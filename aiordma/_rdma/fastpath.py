@@ -33,6 +33,7 @@ from typing import Any
 
 from .._errors import RDMAError, RemoteProtocolError
 from .constants import wc_status_name
+from .objects import QueuePair
 from .params import RdmaParams
 from .session import Ring, SendWork, detach_views, queue_views
 from .states import LinkInput, LinkState, next_state
@@ -127,7 +128,7 @@ class NativeSession:
 
     native = True
 
-    def __init__(self, *, window: int, control: int, buffer_size: int, recv: Ring, rq_depth: int, qp: Any,
+    def __init__(self, *, window: int, control: int, buffer_size: int, recv: Ring, rq_depth: int, qp: QueuePair,
                  cid: int, gen: int = 0) -> None:  # fmt: skip
         buffers = window + control
         if recv.count != buffers or recv.slot_size < buffer_size:
@@ -143,9 +144,9 @@ class NativeSession:
         self._keep: list[Any] = []
         handle = getattr(qp, "_h", None)
         self.record: Callable[[Any], None] | None = None
-        if handle is None:  # the simulated wire: record mode
+        if handle is None:  # the simulated wire: record mode (its QP posts what C recorded)
             c.qp = ffi.NULL
-            self.record = qp.post_records
+            self.record = getattr(qp, "post_records")
         else:
             c.qp = handle
         c.cid = cid

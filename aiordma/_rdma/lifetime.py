@@ -21,10 +21,17 @@ from typing import Self
 
 from .._errors import RDMAError
 
-__all__ = ["Resource", "CLOSE_ORDER"]
+__all__ = ["Resource", "CLOSE_ORDER", "foreign"]
 
 #: the order a set of verbs objects closes in (children first)
 CLOSE_ORDER = "QP, CQ, completion channel, MR, PD, context"
+
+
+def foreign(obj: object, kind: type, call: str) -> TypeError:
+    """The error for an object handed to a provider that is not its own ``kind`` (a simulated CQ
+    given to a native QP; verbs refuse objects of another context likewise)."""
+    return TypeError(f"{call}: {type(obj).__name__} is not a {kind.__module__}.{kind.__name__} "
+                     "(verbs objects of one provider only)")  # fmt: skip
 
 
 class Resource:

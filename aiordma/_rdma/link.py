@@ -56,6 +56,7 @@ from .config import RdmaBackend, RdmaConfig, RdmaSetupError
 from . import qp as qp_setup
 from .datapath import ChanView, DataPath
 from .device import Device
+from .objects import QueuePair, Scope
 from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .remote import RemoteOps
@@ -160,11 +161,11 @@ class RdmaLink(Link):
         return self.res.device
 
     @property
-    def qp(self) -> Any:
+    def qp(self) -> QueuePair | None:
         return self.res.qp
 
     @property
-    def scope(self) -> Any:
+    def scope(self) -> Scope | None:
         return self.res.scope
 
     @property
@@ -747,7 +748,8 @@ class RdmaLink(Link):
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         attrs = dict(self.control.extra_attributes) if self.control is not None else {}
-        device = self.res.gid_entry.device
+        entry = self.res.gid_entry
+        device = entry.device if entry is not None else None
         qp_num = self.qp_num
         attrs[TransportAttribute.device] = lambda: device
         attrs[TransportAttribute.qp_num] = lambda: qp_num

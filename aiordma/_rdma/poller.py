@@ -62,6 +62,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .objects import CompletionChannel, CompletionQueue, WorkCompletions
+
 __all__ = ["Poller", "CompletionReceiver", "NativeReceiver", "POLL_MODES"]
 
 log = logging.getLogger("aiordma")
@@ -98,7 +100,8 @@ class Poller:
     ``wc`` and decoded in Python).
     """
 
-    def __init__(self, cq: Any, channel: Any, wc: Any, native: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, cq: CompletionQueue, channel: CompletionChannel, wc: WorkCompletions,
+                 native: tuple[Any, Any] | None = None) -> None:  # fmt: skip
         self.cq = cq
         self.channel = channel
         self.wc = wc

@@ -19,12 +19,12 @@ of the fallback reasons (``docs/architecture.md``):
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
 
 from .._errors import RDMAError
 from .config import RdmaConfig, RdmaSetupError
 from .constants import Access, GidEntry, gid_bytes
 from .device import Device
+from .objects import Domain, QueuePair
 from .params import MTU_BYTES, RdmaParams
 
 __all__ = ["create_qp", "to_init", "check_peer", "rtr", "rts", "gid_of", "readable_gid", "QP_ACCESS"]
@@ -53,7 +53,7 @@ def readable_gid(gid: bytes) -> str:
     return f"::ffff:{mapped}" if mapped is not None else str(address)
 
 
-def create_qp(device: Device, config: RdmaConfig, pd: Any = None) -> tuple[Any, int]:
+def create_qp(device: Device, config: RdmaConfig, pd: Domain | None = None) -> tuple[QueuePair, int]:
     """A QP for ``config`` on the device's CQ, in ``pd`` (default: the device's); returns it and
     the CQ entries reserved for it."""
     buffers = config.window + config.control
@@ -75,7 +75,7 @@ def create_qp(device: Device, config: RdmaConfig, pd: Any = None) -> tuple[Any, 
     return qp, reserved
 
 
-def to_init(qp: Any, entry: GidEntry) -> None:
+def to_init(qp: QueuePair, entry: GidEntry) -> None:
     qp.to_init(entry.port, access=QP_ACCESS)
 
 
@@ -95,14 +95,14 @@ def check_peer(peer_raw: bytes | None, peer_ip: str | None) -> RdmaParams:
     return peer
 
 
-def rtr(qp: Any, entry: GidEntry, peer: RdmaParams, mtu: int, rd_atom: int = 1) -> None:
+def rtr(qp: QueuePair, entry: GidEntry, peer: RdmaParams, mtu: int, rd_atom: int = 1) -> None:
     """RTR; ``rd_atom``: the RDMA READs we serve at once (what our HELLO announced)."""
     qp.to_rtr(peer.qp_num, peer.gid, sgid_index=entry.index, rq_psn=peer.psn,
               path_mtu=min(mtu, MTU_BYTES[peer.mtu]), port_num=entry.port,
               max_dest_rd_atomic=rd_atom)  # fmt: skip
 
 
-def rts(qp: Any, psn: int, config: RdmaConfig, device: Device | None = None, peer: RdmaParams | None = None) -> None:
+def rts(qp: QueuePair, psn: int, config: RdmaConfig, device: Device | None = None, peer: RdmaParams | None = None) -> None:
     """RTS; RDMA READs in flight: what our device initiates at once and the peer serves, at most."""
     init = 1
     if device is not None and peer is not None:

@@ -25,7 +25,8 @@ from .._errors import RDMAError
 from .._proto.onesided import READ, WRITE, Rendezvous, RemoteMemoryError
 from .constants import Access, WCStatus, wc_status_name
 from .datapath import OneSidedPath
-from .objects import Region, Scope, Window
+from .device import Device
+from .objects import QueuePair, Region, Scope, Window
 
 __all__ = ["RemoteOps", "LinkSide", "StreamFetch"]
 
@@ -87,10 +88,10 @@ class LinkSide(Protocol):
     def scope(self) -> Scope | None: ...
 
     @property
-    def qp(self) -> Any: ...
+    def qp(self) -> QueuePair | None: ...
 
     @property
-    def device(self) -> Any: ...
+    def device(self) -> Device | None: ...
 
     def want_sends(self) -> bool:
         """Be woken by every completion (one-sided ones are not solicited); returns whether armed."""
@@ -208,6 +209,9 @@ class RemoteOps:
         scope = self._scope()
         if not scope.windows:
             return None, int(mr.rkey)
+        qp = self._link.qp
+        if qp is None:
+            raise BrokenResourceError("the RDMA connection is gone")
         mw = scope.pd.alloc_mw()
         try:
             session = self._onesided()
@@ -217,7 +221,7 @@ class RemoteOps:
                 seq, wr_id = session.reserve_wr()
                 if seq:
                     try:
-                        self._link.qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
+                        qp.post_bind_mw(wr_id, mw, mr, addr, length, access)
                     except (RDMAError, OSError) as exc:
                         session.fail(exc)  # (a refused post: the QP's state is unknown)
                         self._link.broke()

@@ -29,7 +29,6 @@ import logging
 import random
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 from .._conn.core import RECEIVE_HIGH_WATER
 from .._errors import RDMAError, RemoteProtocolError
@@ -41,7 +40,8 @@ from .constants import MTU_TO_ENUM
 from .datapath import ChanView, DataPath
 from .device import Device, acquire_device, open_devices
 from .fastpath import NativeSession
-from .objects import Region, Scope
+from .constants import GidEntry
+from .objects import QueuePair, Region, Scope
 from .params import RdmaParams
 from .poller import NativeReceiver
 from .session import Ring
@@ -51,7 +51,7 @@ __all__ = ["LinkResources"]
 log = logging.getLogger("aiordma")
 
 #: runs one teardown step, keeping its error and going on
-Attempt = Callable[[Callable[[], Any]], None]
+Attempt = Callable[[Callable[[], object]], None]
 
 
 class LinkResources:
@@ -62,11 +62,11 @@ class LinkResources:
         self.config = backend.config
         self.io = io
         self.device: Device | None = None
-        self.gid_entry: Any = None
+        self.gid_entry: GidEntry | None = None
         #: where this connection's memory lives: the device (shared PD, memory windows) or its own
         #: protection domain (a device without windows): see device.py
         self.scope: Scope | None = None
-        self.qp: Any = None
+        self.qp: QueuePair | None = None
         self.qp_num = 0
         self.recv_mr: Region | None = None
         self.send_mr: Region | None = None
@@ -163,8 +163,11 @@ class LinkResources:
     def params(self) -> RdmaParams:
         """What our HELLO tells the peer."""
         cfg = self.config
+        entry = self.gid_entry
+        if entry is None:
+            raise RdmaSetupError(self.step, "the connection has no device yet")
         return self.backend.hello_params(RdmaParams(
-            gid=self.gid_entry.gid.packed,
+            gid=entry.gid.packed,
             qp_num=self.qp_num,
             psn=self.psn,
             mtu=MTU_TO_ENUM.get(self.mtu, 3),
@@ -189,12 +192,13 @@ class LinkResources:
 
     def _connect(self, peer_raw: bytes | None, peer_ip: str | None) -> None:
         cfg = self.config
-        session, qp, device, scope = self.session, self.qp, self.device, self.scope
-        assert session is not None and device is not None and scope is not None
+        session, qp, device, scope, entry = self.session, self.qp, self.device, self.scope, self.gid_entry
+        assert session is not None and device is not None and scope is not None  # (open() succeeded)
+        assert qp is not None and entry is not None
         self._enter("params")
         self.peer = peer = qp_setup.check_peer(peer_raw, peer_ip)
         self._enter("rtr")
-        qp_setup.rtr(qp, self.gid_entry, peer, self.mtu, qp_setup.rd_atom_of(device))
+        qp_setup.rtr(qp, entry, peer, self.mtu, qp_setup.rd_atom_of(device))
         self._enter("rts")
         qp_setup.rts(qp, self.psn, cfg, device, peer)
         slot = min(peer.buffer_size, cfg.buffer_size)

@@ -45,12 +45,12 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from .._errors import PostError, RDMAError, RDMAUnavailableError
-from .lifetime import Resource
+from .lifetime import Resource, foreign
 from .constants import (
     DEFAULT_MR_ACCESS,
     DEFAULT_QP_ACCESS,
@@ -80,6 +80,9 @@ from .constants import (
     gid_bytes as _gid_bytes,
     wc_status_name,
 )
+
+if TYPE_CHECKING:
+    from . import objects as _o
 
 __all__ = [
     "Access",
@@ -412,8 +415,10 @@ class Context(_Resource):
         return CompletionChannel(self)
 
     def create_cq(
-        self, cqe: int = 256, channel: CompletionChannel | None = None, comp_vector: int = 0
+        self, cqe: int = 256, channel: _o.CompletionChannel | None = None, comp_vector: int = 0
     ) -> CompletionQueue:
+        if channel is not None and not isinstance(channel, CompletionChannel):
+            raise foreign(channel, CompletionChannel, "ibv_create_cq")
         return CompletionQueue(self, cqe, channel, comp_vector)
 
     def close(self) -> None:
@@ -458,7 +463,11 @@ class ProtectionDomain(_Resource):
         """Register an existing writable buffer (kept exported until ``close()``)."""
         return MemoryRegion(self, buffer, access)
 
-    def create_qp(self, send_cq: CompletionQueue, recv_cq: CompletionQueue | None = None, **kw: Any) -> QueuePair:
+    def create_qp(self, send_cq: _o.CompletionQueue, recv_cq: _o.CompletionQueue | None = None, **kw: Any) -> QueuePair:
+        if not isinstance(send_cq, CompletionQueue):
+            raise foreign(send_cq, CompletionQueue, "ibv_create_qp")
+        if recv_cq is not None and not isinstance(recv_cq, CompletionQueue):
+            raise foreign(recv_cq, CompletionQueue, "ibv_create_qp")
         return QueuePair(self, send_cq, recv_cq, **kw)
 
     def alloc_mw(self) -> MemoryWindow:
@@ -870,15 +879,19 @@ class CompletionQueue(_Resource):
         self._ensure_open("ibv_req_notify_cq")
         _check(int(_lib.aiordma_req_notify(self._h, 1 if solicited_only else 0)), "ibv_req_notify_cq")
 
-    def poll_into(self, arr: WCArray, max_entries: int | None = None) -> int:
+    def poll_into(self, arr: _o.WorkCompletions, max_entries: int | None = None) -> int:
         """Poll up to ``max_entries`` (default ``len(arr)``) completions into ``arr``; returns the count."""
+        if not isinstance(arr, WCArray):
+            raise foreign(arr, WCArray, "ibv_poll_cq")
         self._ensure_open("ibv_poll_cq")
         n = arr.n if max_entries is None else min(max_entries, arr.n)
         return _check(int(_lib.aiordma_poll_batch(self._h, n, arr._a)), "ibv_poll_cq")
 
-    def native_waker(self, channel: CompletionChannel | None) -> Any:
+    def native_waker(self, channel: _o.CompletionChannel | None) -> Callable[..., int]:
         """``aiordma_wake`` bound to this CQ and ``channel`` (the poller's one call per wake;
         see ``_native/aiordma_fast.h``).  The poller must stop calling it before this CQ closes."""
+        if channel is not None and not isinstance(channel, CompletionChannel):
+            raise foreign(channel, CompletionChannel, "aiordma_wake")
         self._ensure_open("aiordma_wake")
         return functools.partial(_lib.aiordma_wake, channel._h if channel is not None else _ffi.NULL, self._h)
 
@@ -1158,12 +1171,16 @@ class QueuePair(_Resource):
     def post_send(self, wr: SendWR) -> None:
         self.post_send_batch((wr,))
 
-    def post_bind_mw(self, wr_id: int, mw: MemoryWindow, mr: MemoryRegion, addr: int, length: int, access: int,
+    def post_bind_mw(self, wr_id: int, mw: _o.Window, mr: _o.Region, addr: int, length: int, access: int,
                      signaled: bool = True) -> int:  # fmt: skip
         """Post a BIND_MW work request: ``mw`` grants ``access`` (``Access.REMOTE_*``) to
         ``[addr, addr + length)`` of ``mr`` through this QP only, once it executed (in order with
         the rest of the send queue).  Returns the binding's rkey (also ``mw.rkey`` from now on).
         Raises :class:`PostError` if the device refused it."""
+        if not isinstance(mw, MemoryWindow):
+            raise foreign(mw, MemoryWindow, "ibv_post_send(BIND_MW)")
+        if not isinstance(mr, MemoryRegion):
+            raise foreign(mr, MemoryRegion, "ibv_post_send(BIND_MW)")
         self._ensure_open("ibv_post_send")
         rkey = next_rkey(mw.rkey)
         rc = int(_lib.aiordma_post_bind_mw(self._h, wr_id, mw._h, mr._h, addr, length, int(access), rkey,
@@ -1236,7 +1253,8 @@ def iter_gids(ctx: Context, port: int = 1) -> Iterator[tuple[int, ipaddress.IPv6
 
 
 if TYPE_CHECKING:  # mypy holds these objects to the interfaces the transport uses (aiordma._rdma.objects)
-    from .objects import Domain, Region, Window
 
-    def _held(mr: MemoryRegion, mw: MemoryWindow, pd: ProtectionDomain) -> tuple[Region, Window, Domain]:
-        return mr, mw, pd
+    def _held(ctx: Context, pd: ProtectionDomain, mr: MemoryRegion, mw: MemoryWindow, channel: CompletionChannel,
+              cq: CompletionQueue, wc: WCArray, qp: QueuePair) -> tuple[_o.Context, _o.Domain, _o.Region, _o.Window,
+              _o.CompletionChannel, _o.CompletionQueue, _o.WorkCompletions, _o.QueuePair]:  # fmt: skip
+        return ctx, pd, mr, mw, channel, cq, wc, qp

@@ -22,6 +22,7 @@ from typing import Any
 from .._rdma.config import RdmaBackend, RdmaConfig
 from .._rdma.constants import GidEntry
 from .._rdma.discovery import Probe
+from .._rdma.objects import Context, WorkCompletions
 from ._simverbs import SimFabric
 
 __all__ = ["SimProvider", "simulated_backend", "SimFabric"]
@@ -36,10 +37,10 @@ class SimProvider:
         self.fabric = fabric
         self.key: object = fabric  # providers over one fabric share its devices
 
-    def open_context(self, name: str) -> Any:
+    def open_context(self, name: str) -> Context:
         return self.fabric.open_context(name)
 
-    def WCArray(self, n: int) -> Any:  # noqa: N802 - mirrors the class name
+    def WCArray(self, n: int) -> WorkCompletions:  # noqa: N802 - mirrors the class name
         return self.fabric.WCArray(n)
 
     def device_names(self) -> list[str]:

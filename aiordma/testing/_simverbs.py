@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from .._errors import PostError, RDMAError
-from .._rdma.lifetime import Resource
+from .._rdma.lifetime import Resource, foreign
 from .._rdma.constants import (
     DEFAULT_MR_ACCESS,
     DEFAULT_QP_ACCESS,
@@ -86,6 +86,9 @@ from .._rdma.constants import (
     gid_bytes,
     wc_status_name,
 )
+
+if TYPE_CHECKING:
+    from .._rdma import objects as _o
 
 __all__ = [
     "SimFabric",
@@ -641,8 +644,10 @@ class SimContext(_SimResource):
     def create_comp_channel(self) -> SimCompletionChannel:
         return SimCompletionChannel(self)
 
-    def create_cq(self, cqe: int = 256, channel: SimCompletionChannel | None = None,
+    def create_cq(self, cqe: int = 256, channel: _o.CompletionChannel | None = None,
                   comp_vector: int = 0) -> SimCompletionQueue:  # fmt: skip
+        if channel is not None and not isinstance(channel, SimCompletionChannel):
+            raise foreign(channel, SimCompletionChannel, "ibv_create_cq")
         return SimCompletionQueue(self, cqe, channel)
 
     def close(self) -> None:
@@ -676,9 +681,13 @@ class SimProtectionDomain(_SimResource):
             raise RDMAError(errno.EOPNOTSUPP, "ibv_alloc_mw", "this device has no memory windows")
         return SimMemoryWindow(self)
 
-    def create_qp(self, send_cq: SimCompletionQueue, recv_cq: SimCompletionQueue | None = None, *,
+    def create_qp(self, send_cq: _o.CompletionQueue, recv_cq: _o.CompletionQueue | None = None, *,
                   max_send_wr: int = 64, max_recv_wr: int = 64, max_send_sge: int = 1, max_recv_sge: int = 1,
                   max_inline_data: int = 0, sq_sig_all: bool = False) -> SimQueuePair:  # fmt: skip
+        if not isinstance(send_cq, SimCompletionQueue):
+            raise foreign(send_cq, SimCompletionQueue, "ibv_create_qp")
+        if recv_cq is not None and not isinstance(recv_cq, SimCompletionQueue):
+            raise foreign(recv_cq, SimCompletionQueue, "ibv_create_qp")
         return SimQueuePair(self, send_cq, recv_cq, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr,
                             max_send_sge=max_send_sge, max_recv_sge=max_recv_sge,
                             max_inline_data=max_inline_data, sq_sig_all=sq_sig_all)  # fmt: skip
@@ -882,12 +891,14 @@ class SimCompletionQueue(_SimResource):
         self._armed = max(self._armed, 1 if solicited_only else 2)
         self._fabric.counters["req_notify"] += 1
 
-    def poll_into(self, arr: SimWCArray, max_entries: int | None = None) -> int:
+    def poll_into(self, arr: _o.WorkCompletions, max_entries: int | None = None) -> int:
         """Move up to ``max_entries`` (default ``len(arr)``) completions into ``arr``; returns the count.
 
         Polling a send completion frees its send-queue slot and those of the
         unsignaled WRs before it.
         """
+        if not isinstance(arr, SimWCArray):
+            raise foreign(arr, SimWCArray, "ibv_poll_cq")
         self._ensure_open("ibv_poll_cq")
         n = arr.n if max_entries is None else min(max_entries, arr.n)
         q, slots, count = self._queue, arr._wc, 0
@@ -904,9 +915,11 @@ class SimCompletionQueue(_SimResource):
         """Same as :meth:`poll_into`: nothing can arrive while spinning, the wire is synchronous."""
         return self.poll_into(arr, max_entries)
 
-    def native_waker(self, channel: SimCompletionChannel | None) -> Callable[..., int]:
+    def native_waker(self, channel: _o.CompletionChannel | None) -> Callable[..., int]:
         """``aiordma_wake``'s contract over this CQ: the completions are polled here, and
         processed by the native module's own C (``aiordma_chan_process``), as on a device."""
+        if channel is not None and not isinstance(channel, SimCompletionChannel):
+            raise foreign(channel, SimCompletionChannel, "aiordma_wake")
         from aiordma._rdma.fastpath import native_lib
 
         native = native_lib()
@@ -1205,11 +1218,15 @@ class SimQueuePair(_SimResource):
             raise RDMAError(errno.EINVAL, "ibv_modify_qp(access)", f"the QP is in {self._state.name}")
         self._access = int(access)
 
-    def post_bind_mw(self, wr_id: int, mw: SimMemoryWindow, mr: SimMemoryRegion, addr: int, length: int,
+    def post_bind_mw(self, wr_id: int, mw: _o.Window, mr: _o.Region, addr: int, length: int,
                      access: int, signaled: bool = True) -> int:  # fmt: skip
         """A BIND_MW work request (executed in send-queue order): ``mw`` grants ``access`` to
         ``[addr, addr + length)`` of ``mr`` through this QP only.  Returns its new rkey.  A bind
         the rules refuse completes with ``MW_BIND_ERR`` (and the QP goes to ERROR)."""
+        if not isinstance(mw, SimMemoryWindow):
+            raise foreign(mw, SimMemoryWindow, "ibv_post_send(BIND_MW)")
+        if not isinstance(mr, SimMemoryRegion):
+            raise foreign(mr, SimMemoryRegion, "ibv_post_send(BIND_MW)")
         self._ensure_open("ibv_post_send")
         if self._state not in (QPState.RTS, QPState.ERR):
             raise PostError(errno.EINVAL, "ibv_post_send(BIND_MW)", 0, 1)
@@ -1477,7 +1494,9 @@ def _imm(value: int) -> int:
 
 
 if TYPE_CHECKING:  # mypy holds these objects to the interfaces the transport uses (aiordma._rdma.objects)
-    from .._rdma.objects import Domain, Region, Window
 
-    def _held(mr: SimMemoryRegion, mw: SimMemoryWindow, pd: SimProtectionDomain) -> tuple[Region, Window, Domain]:
-        return mr, mw, pd
+    def _held(ctx: SimContext, pd: SimProtectionDomain, mr: SimMemoryRegion, mw: SimMemoryWindow,
+              channel: SimCompletionChannel, cq: SimCompletionQueue, wc: SimWCArray,
+              qp: SimQueuePair) -> tuple[_o.Context, _o.Domain, _o.Region, _o.Window, _o.CompletionChannel,
+              _o.CompletionQueue, _o.WorkCompletions, _o.QueuePair]:  # fmt: skip
+        return ctx, pd, mr, mw, channel, cq, wc, qp

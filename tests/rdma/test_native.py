@@ -604,3 +604,32 @@ def test_wcarray_entries_match_the_accessors(loop: Loop) -> None:
                                                   for w in rest]  # fmt: skip
     assert got == [((5 << 32) | 1, 3, 0xFFFFFFFF), (2, 5, -1)]
     assert arr.entries(0) == []
+
+
+def test_objects_of_another_provider_are_refused(loop: Loop) -> None:
+    """The native verbs take back only their own objects: a simulated CQ, window or array is a
+    TypeError naming the call (the C side never sees a foreign handle), and nothing is made."""
+    from aiordma.testing import SimFabric
+
+    fab = SimFabric()
+    fab.add_device("simA", "10.0.0.1")
+    with fab.open_context("simA") as sctx, sctx.alloc_pd() as spd, sctx.create_comp_channel() as sch:
+        with sctx.create_cq(8, sch) as scq, spd.reg_mr(64) as smr:
+            smw = spd.alloc_mw()
+            a = loop.a
+            nmw = loop.pd.alloc_mw()
+            loop.extra.append(nmw)
+            live = v.live_objects()
+            calls = [
+                ("ibv_create_qp", lambda: loop.pd.create_qp(scq)),
+                ("ibv_create_cq", lambda: loop.ctx.create_cq(8, sch)),
+                ("ibv_poll_cq", lambda: a.cq.poll_into(fab.WCArray(4))),
+                ("aiordma_wake", lambda: a.cq.native_waker(sch)),
+                ("BIND_MW", lambda: a.qp.post_bind_mw(1, smw, a.mr, a.mr.addr, 8, v.Access.REMOTE_READ)),
+                ("BIND_MW", lambda: a.qp.post_bind_mw(1, nmw, smr, smr.addr, 8, v.Access.REMOTE_READ)),
+            ]
+            for call, attempt in calls:
+                with pytest.raises(TypeError, match=call):
+                    attempt()
+            assert v.live_objects() == live
+            smw.close()
