@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma import RdmaConfig
+from aiordma._rdma.fastpath import native_lib
 from aiordma.testing import SimFabric, channel_pair, simulated_backend, stream_pair
 
 from ._leaks import no_fd_leak
@@ -411,6 +412,80 @@ async def test_the_peer_receives_exactly_what_the_closer_sent_then_eof(
         fabric.release()
         left = {k: v for k, v in fabric.live_objects().items() if v}
         assert not left, f"verbs objects left: {left}"
+
+
+@pytest.mark.parametrize("mode", ["stream", "channel"])
+async def test_a_send_after_the_goodbye_overtook_the_close_fails_alone_and_the_reader_gets_eof(
+    anyio_backend: Any, mode: str
+) -> None:
+    """The closer's goodbye on TCP overtakes its CLOSE over RDMA (the receive completion is late:
+    found under load, two workers on two cores).  The peer then posts nothing more; a large send
+    that needs a grant there must fail with anyio's ``BrokenResourceError`` -- not fail the
+    connection (a verbs error reaching the user, the reader spinning on a failed session without
+    yielding, so the CLOSE was never polled) -- and the reader gets every byte, then EOF."""
+    fabric = SimFabric()
+    fabric.add_device("sim0", "127.0.0.1")
+    sent = [os.urandom(1000), os.urandom(3000)]
+    config = RdmaConfig(rendezvous=RNDV, liveness_probe=0)
+    result: dict[str, Any] = {}
+    async with sim_pair(mode, fabric, config) as (closer, peer):
+        for item in sent:
+            await closer.send(item)
+        fabric.hold(_qp(peer), recvs=True)  # the CLOSE arrives, its completion is late
+        with anyio.fail_after(20):
+            await closer.aclose()
+            while not peer._core.link.watch.peer_goodbye:
+                await anyio.sleep(0.01)
+
+            async def reader() -> None:
+                got: list[bytes] = []
+                try:
+                    while True:
+                        got.append(await (peer.receive() if mode == "channel" else peer.receive(1 << 20)))
+                except EndOfStream:
+                    result["end"] = "EOF"
+                result["got"] = got
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                await anyio.sleep(0.05)
+                with pytest.raises(BrokenResourceError):
+                    await peer.send(bytes(RNDV + 1))  # (staged: its grant is a post)
+                await anyio.sleep(0.05)
+                fabric.release()
+    assert result["end"] == "EOF"
+    assert (result["got"] == sent) if mode == "channel" else (b"".join(result["got"]) == b"".join(sent))
+    fabric.release()
+    assert not {k: v for k, v in fabric.live_objects().items() if v}
+
+
+@pytest.mark.parametrize("hot_path", ["native", "checked"])
+async def test_a_reader_of_a_session_that_failed_unannounced_ends_and_never_spins(
+    anyio_backend: Any, hot_path: str
+) -> None:
+    """Whatever fails the session without telling the Core, a reader waiting on the link must not
+    loop without yielding (the loop would be blocked for good): it ends with the failure."""
+    if hot_path == "native" and native_lib() is None:
+        pytest.skip("the native module is not built here")
+    fabric = SimFabric()
+    fabric.add_device("sim0", "127.0.0.1")
+    async with sim_pair("channel", fabric, RdmaConfig(hot_path=hot_path, liveness_probe=0)) as (a, b):
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0.01)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            b._core.link.session.fail(OSError(5, "failed behind the Core's back"))
+            with anyio.fail_after(10), pytest.raises(BrokenResourceError):
+                await b.receive()
+            await anyio.sleep(0.05)
+            assert ticks > 0  # (the loop ran meanwhile)
+            tg.cancel_scope.cancel()
 
 
 # -- on a real device (the guest stage: rxe) -------------------------------------------------------

@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from anyio import BrokenResourceError
+
 from .._errors import RDMAError, RemoteProtocolError
 from .constants import wc_status_name
 from .objects import QueuePair
@@ -536,10 +538,7 @@ class NativeSession:
         if seq == -_errno.EAGAIN:
             return 0
         if seq < 0:
-            self._check_c()
-            if self.error is None:
-                self.fail(RDMAError(-seq, "ibv_post_send", "posting an RDMA READ/WRITE failed"))
-            raise self.error  # type: ignore[misc]
+            raise self._refused(seq, "posting an RDMA READ/WRITE failed")
         self._posted()
         self._check_c()
         return seq
@@ -553,10 +552,23 @@ class NativeSession:
         if seq == -_errno.EAGAIN:
             return 0, 0
         if seq < 0:
-            if self.error is None:
-                self.fail(RDMAError(-seq, "ibv_post_send", "the connection cannot post"))
-            raise self.error  # type: ignore[misc]
+            raise self._refused(seq, "the connection cannot post")
         return seq, int(wr_id[0])
+
+    def _refused(self, rc: int, what: str) -> BaseException:
+        """Why C refused a one-sided post of ours (``rc`` < 0).  The session's error, if it has
+        one (C's first); ``-ENOTCONN`` without one is no failure -- the peer said goodbye (its
+        QP is going away) or the connection is closing: it posts nothing more, and the caller's
+        operation is over (``BrokenResourceError``) while the session goes on delivering what
+        arrives.  Anything else: the post failed, and the session with it."""
+        self._check_c()
+        if self.error is None:
+            if rc == -_errno.ENOTCONN:
+                why = "the peer closed it" if self.c.quiet else "it is closing"
+                return BrokenResourceError(f"the RDMA connection takes no more operations: {why}")
+            self.fail(RDMAError(-rc, "ibv_post_send", what))
+        assert self.error is not None
+        return self.error
 
     def take_onesided(self) -> list[tuple[int, int]]:
         """The one-sided WRs completed since the last call: (sequence number, wc status)."""

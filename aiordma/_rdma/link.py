@@ -361,7 +361,17 @@ class RdmaLink(Link):
         return session is None or session.error is not None or self._closing or self.core.closed
 
     async def wait_incoming(self) -> None:
+        """Wait for something to read (see ``Link``).  Never returns without yielding: a reader
+        loops on it until the Core has bytes, an end or an error."""
         if self._finished():
+            session = self.session
+            core = self.core
+            if session is not None and session.error is not None:
+                self.broke()  # (the Core learns why, once: its readers end with it)
+            if core.closed or core.peer_eof or core.error is not None:
+                await self.io.checkpoint()
+            else:
+                await self.park()  # (closing: the close's end wakes every waiter)
             return
         await self.incoming()
 

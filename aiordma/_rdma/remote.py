@@ -530,7 +530,11 @@ class RemoteOps:
         try:
             while True:
                 self._link.check_usable()
-                seq = post()
+                try:
+                    seq = post()
+                except RDMAError as exc:  # the session failed (its error): the Core learns it once
+                    self._link.broke()
+                    raise BrokenResourceError(f"the RDMA connection failed: {exc}") from exc
                 if seq:
                     break
                 await self._link.park()  # the send queue is full: a send completion makes room
