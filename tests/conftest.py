@@ -58,12 +58,39 @@ def guest_keeps(item: pytest.Item) -> bool:
     return True
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--paced", choices=["all", "first"], default="all",
+        help="tests marked paced (they wait on the clock): run every case (default), or only each "
+             "one's first case (scripts/test --quick)",
+    )  # fmt: skip
+
+
+def first_cases_of_paced(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """``--paced=first``: of each test marked ``paced``, its first case only (kept, left)."""
+    seen: set[tuple[str, str]] = set()
+    kept: list[pytest.Item] = []
+    left: list[pytest.Item] = []
+    for item in items:
+        if item.get_closest_marker("paced") is None:
+            kept.append(item)
+            continue
+        key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        (left if key in seen else kept).append(item)
+        seen.add(key)
+    return kept, left
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_time_limits.TimeLimits(), "aiordma-tests-time-limits")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _time_limits.apply(config, items)
+    if config.getoption("--paced") == "first":
+        items[:], left = first_cases_of_paced(items)
+        if left:
+            config.hook.pytest_deselected(items=left)
     if os.environ.get("AIORDMA_IN_VM") == "1" and os.environ.get("AIORDMA_GUEST_FULL") != "1":
         kept: list[pytest.Item] = []
         left: list[pytest.Item] = []

@@ -123,6 +123,7 @@ async def run_program(kind: str, tlsdir: str, senders: list[list[tuple[int, floa
         assert set(got) >= {i for idents in returned for i in idents}
 
 
+@pytest.mark.paced
 async def test_a_send_cancelled_midway_does_not_corrupt_the_next_ones(anyio_backend: Any, tlsdir: str) -> None:
     """The issue's case, on every loop and transport: an 8 MiB message under a 0.05 s timeout
     while the reader has not started, then 9 more of 1 MiB."""

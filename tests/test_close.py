@@ -158,6 +158,7 @@ async def test_a_cancelled_close_is_an_error_for_the_peer_never_a_short_stream(
         assert error is not None and len(got) < len(payload)
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("mode", ["stream", "channel"])
 async def test_close_waits_for_a_peer_that_takes_nothing_while_it_is_alive(
     anyio_backend: Any, fabric: SimFabric, mode: str
@@ -216,6 +217,7 @@ async def test_a_close_whose_peer_dies_raises(anyio_backend: Any, fabric: SimFab
     assert result["after"] < 5
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("order", ["together", "reader-later"])
 @pytest.mark.parametrize("mode", ["stream", "channel"])
 async def test_a_peer_that_closes_without_reading_ends_the_linger_in_order(
@@ -309,6 +311,7 @@ PROPERTY = settings(
 )  # fmt: skip
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("kind", ["sim", "sim-checked", "tcp", "memory"])
 @pytest.mark.parametrize("mode", ["stream", "channel"])
 @given(program=programs())

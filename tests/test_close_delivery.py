@@ -82,6 +82,7 @@ def close_cases() -> list[Any]:
     return out
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize(("api", "tls"), close_cases())
 async def test_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any, api: str, tls: bool, tlsdir: str) -> None:
     """The reader (listening, in its own process) pauses ``PAUSE`` s before it reads; the closer
@@ -164,6 +165,7 @@ def unread_cases() -> list[Any]:
     return out
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize(("api", "tls", "peer_loop"), unread_cases())
 async def test_a_closer_with_unread_bytes_delivers_all_and_does_not_wait_for_the_peers_close(
     anyio_backend: Any, api: str, tls: bool, peer_loop: str, tlsdir: str

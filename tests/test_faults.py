@@ -129,6 +129,7 @@ async def test_the_holds_deliver_late_and_in_order_on_the_simulated_wire() -> No
     assert answers(trace) == [f"REQ{i}" for i in range(6)], trace
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("kind", ["memory", "sim"])
 async def test_a_schedule_replays_the_same_conversation(kind: str, anyio_backend: str) -> None:

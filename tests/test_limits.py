@@ -255,6 +255,7 @@ async def test_silent_sockets_never_keep_a_real_client_out(anyio_backend: Any) -
     assert worst < 1.0, f"a real client took {worst:.2f} s"
 
 
+@pytest.mark.paced
 async def test_a_silent_connection_is_dropped_after_the_hello_timeout(anyio_backend: Any) -> None:
     """Not one byte within ``hello_timeout``: dropped as silent.  A few bytes of the magic, then
     nothing: not silent -- it has until ``handshake_timeout``, and no slot meanwhile."""
@@ -327,6 +328,7 @@ async def test_one_address_cannot_take_every_handshake_slot(anyio_backend: Any) 
             tg.cancel_scope.cancel()
 
 
+@pytest.mark.paced
 async def test_a_tls_handshake_that_stalls_gives_its_slot_to_a_ready_client(anyio_backend: Any) -> None:
     """``max_handshakes=1``.  A TLS client sends one byte of its ClientHello and stops: it gets
     no slot (its first record is not whole).  Another sends a whole ClientHello and never answers

@@ -280,6 +280,7 @@ def check_unharmed(t: Target, canary: Proc, baseline: dict[str, Any], connection
     assert t.server.p.poll() is None
 
 
+@pytest.mark.paced
 def test_no_client_takes_the_listener_down(target: Target, canary: Proc) -> None:
     """The review's cases and their kin, each from its own socket, while a canary echoes."""
     baseline = settled(target.server)
@@ -352,6 +353,7 @@ def fuzz_target(request: pytest.FixtureRequest, tlsdir: str) -> Iterator[Target]
         sys.stderr.write(server.stop()[-3000:])
 
 
+@pytest.mark.paced
 def test_fuzzed_frames_never_take_the_listener_down(fuzz_target: Target) -> None:
     """Hypothesis draws what a raw client sends (every frame type, bad flags and lengths, cuts
     at any byte, merged or split segments, RST and half-close at each point; HELLOs offering
@@ -406,6 +408,7 @@ def rdma_attacks() -> dict[str, Attack]:
     return out
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
 def test_hostile_rdma_parameters_never_take_the_listener_down(loop: str) -> None:
     """A listener offering RDMA over the simulated wire (in its own process, with an RDMA

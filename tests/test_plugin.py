@@ -77,6 +77,7 @@ def test_the_plugin_gives_pairs_of_every_kind_and_finds_leaks(tmp_path: Path) ->
         assert f"after the test ({kind} pair): file descriptors left open" in text, text
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("args", [["-p", "no:aiordma.testing.plugin"], ["-p", "aiordma.testing.plugin"]],
                          ids=["turned-off", "named-too"])  # fmt: skip
 def test_the_entry_point_can_be_turned_off_and_named_again(tmp_path: Path, args: list[str]) -> None:
@@ -153,6 +154,7 @@ async def test_a_leak_inside_the_property_is_named(aiordma_kind):
 '''
 
 
+@pytest.mark.slow
 def test_checked_pair_serves_property_tests_with_faults(tmp_path: Path) -> None:
     (tmp_path / "test_user_property.py").write_text(USER_PROPERTY)
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_user_property.py"],

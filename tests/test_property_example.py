@@ -26,6 +26,7 @@ def example() -> ModuleType:
     return module
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_the_property_finds_the_planted_bug_and_shrinks_it(backend: str) -> None:
     found = example().check("memory", buggy=True, max_examples=200, backend=backend)
@@ -47,6 +48,7 @@ def test_the_client_survives_every_fault(kind: str, backend: str) -> None:
     assert example().check_faults(kind, max_examples=100 if kind == "memory" else 50, backend=backend) is None
 
 
+@pytest.mark.slow
 def test_the_fault_property_can_fail() -> None:
     # the same property against a client that waits for every answer whatever happens (it treats
     # the end of the stream as "not yet"): a fault makes it hang, and the property says so

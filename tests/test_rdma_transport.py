@@ -222,6 +222,7 @@ async def test_many_cycles_leave_nothing_behind(anyio_backend: Any, env: Env) ->
         assert env.live() == dict.fromkeys(steady, 0)
 
 
+@pytest.mark.paced
 async def test_cancelled_transfer_releases_everything(anyio_backend: Any, env: Env) -> None:
     async def sink(stream: aiordma.Stream) -> None:
         async with stream:
@@ -427,6 +428,7 @@ async def test_a_timeout_fires_while_a_send_waits_for_a_peer_that_never_reads(an
         assert time.monotonic() - started < 5  # the loop kept running: the deadline could fire
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize(
     ("client", "server"),
     [
@@ -457,6 +459,7 @@ def _link(stream: aiordma.Stream) -> Any:
     return stream._core.link
 
 
+@pytest.mark.paced
 async def test_a_peer_that_over_returns_credits_fails_only_itself(anyio_backend: Any, env: Env) -> None:
     """B3: the victim's connection breaks with a typed cause, aclose() raises nothing, nothing leaks."""
     async with no_fd_leak(), stream_pair_on(env) as (a, b):
@@ -605,6 +608,7 @@ async def _kill_the_peer_and_expect_the_probe(env: Env, qp_num: int, done: anyio
         assert not done.is_set(), outcome  # only a probe could tell
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("probe", [0.25, 0.0], ids=["probing", "not-probing"])
 async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio_backend: Any, env: Env,
                                                                            probe: float) -> None:  # fmt: skip
@@ -640,6 +644,7 @@ async def test_a_sender_waiting_for_credits_learns_that_the_peer_host_died(anyio
             tg.cancel_scope.cancel()
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("probe", [0.25, 0.0], ids=["probing", "not-probing"])
 async def test_a_receiver_learns_that_the_peer_host_died_mid_transfer(anyio_backend: Any, env: Env,
                                                                      probe: float) -> None:  # fmt: skip
@@ -681,6 +686,7 @@ async def test_a_receiver_learns_that_the_peer_host_died_mid_transfer(anyio_back
             tg.cancel_scope.cancel()
 
 
+@pytest.mark.paced
 async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, env: Env) -> None:
     """A reader waits on an idle connection whose peer is alive: the plan probes after 0.05 s,
     then 0.1, 0.2, 0.4 s later (each answered), so a second of waiting costs four probes, not
@@ -911,6 +917,7 @@ async def test_asyncio_writes_without_drain_all_arrive_when_the_send_ring_is_sma
             await writer.wait_closed()
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("fault", ["sends_beyond_credits", "oversized_send", "garbage_payload", "read_guessed_rkey"])
 async def test_a_hostile_peer_breaks_only_its_own_connection(anyio_backend: Any, env: Env, fault: str) -> None:
     """Issue 11's hostile peer, written against the verbs layer (raw work requests on its QP,

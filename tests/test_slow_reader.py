@@ -127,6 +127,7 @@ def cases() -> list[Any]:
     return out
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize(("api", "tls", "role"), cases())
 async def test_a_reader_that_pauses_loses_nothing_and_its_sender_waits(
     anyio_backend: Any, api: str, tls: bool, role: str, tlsdir: str

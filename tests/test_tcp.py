@@ -138,6 +138,7 @@ async def test_garbage_client_is_dropped_and_others_are_served(anyio_backend: An
             assert await stream.receive() == b"still serving"
 
 
+@pytest.mark.paced
 async def test_connecting_to_something_else_is_a_handshake_error(anyio_backend: Any) -> None:
     async def foreign(sock: SocketStream) -> None:
         async with sock:

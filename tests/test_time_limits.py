@@ -40,6 +40,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, float
     return result, time.monotonic() - started
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_hung_async_test_fails_with_its_traceback_and_the_next_one_runs(
     pytester: pytest.Pytester, backend: str
@@ -117,6 +118,7 @@ async def test_async(request):
 """
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("in_guest", [False, True], ids=["host", "guest"])
 def test_limits_per_marker_and_in_the_guest(pytester: pytest.Pytester, in_guest: bool) -> None:
     from . import _time_limits
@@ -158,6 +160,7 @@ def test_slow(request):
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_async_test_that_blocks_its_loop_fails_by_the_alarm(pytester: pytest.Pytester, backend: str) -> None:
     """A test that does not answer cancellation (it blocks the loop) is failed by SIGALRM, GRACE
@@ -194,6 +197,7 @@ async def test_after():
     assert took < 25, took
 
 
+@pytest.mark.slow
 def test_hypothesis_async_tests_are_limited_too(pytester: pytest.Pytester) -> None:
     _ini(pytester, 2)
     pytester.makepyfile(

@@ -737,6 +737,7 @@ async def test_zz_the_peer_ends() -> None:
         await ch.send(b"QUIT")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(PEER), reason="(the host's check of this suite; in the bed the suite itself runs)")
 def test_twohost_suite_runs_on_the_host() -> None:
     """This file against ``tools.peer`` over TCP on 127.0.0.1: the suite and the peer

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from .._errors import PostError, RDMAError, RDMAUnavailableError
+from . import completions
 from .lifetime import Resource, foreign
 from .constants import (
     DEFAULT_MR_ACCESS,
@@ -644,28 +645,10 @@ def _memlock_hint(err: int) -> str:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class WorkCompletion:
-    """A decoded ``ibv_wc``.  ``imm_data`` is host order, ``None`` without immediate."""
+class WorkCompletion(completions.WorkCompletion):
+    """A decoded ``ibv_wc`` (see ``completions.py``), described by libibverbs."""
 
-    wr_id: int
-    status: int
-    opcode: int
-    byte_len: int
-    imm_data: int | None
-    qp_num: int
-    src_qp: int
-    vendor_err: int
-    wc_flags: int
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 0
-
-    @property
-    def status_name(self) -> str:
-        """``"IBV_WC_SUCCESS"``, ``"IBV_WC_WR_FLUSH_ERR"``, ..."""
-        return wc_status_name(self.status)
+    __slots__ = ()
 
     @property
     def status_str(self) -> str:
@@ -673,30 +656,6 @@ class WorkCompletion:
         if _lib is None:
             return self.status_name
         return str(_ffi.string(_lib.ibv_wc_status_str(self.status)).decode())
-
-    @property
-    def opcode_name(self) -> str:
-        try:
-            return WCOpcode(self.opcode).name
-        except ValueError:
-            return str(self.opcode)
-
-    @property
-    def is_recv(self) -> bool:
-        return bool(self.opcode & 128)
-
-    def error(self, call: str = "ibv_poll_cq") -> RDMAError:
-        """The :class:`RDMAError` describing a failed completion (errno EIO)."""
-        return RDMAError(
-            _errno.EIO,
-            call,
-            f"wr_id={self.wr_id} qp={self.qp_num} {self.status_str} vendor_err=0x{self.vendor_err:x}",
-            wc_status=self.status_name,
-        )
-
-    def raise_for_status(self) -> None:
-        if self.status != 0:
-            raise self.error()
 
 
 #: struct aiordma_wc as Python's struct module sees it (native layout, checked below)
@@ -706,11 +665,11 @@ if _ffi is not None and _ffi.sizeof("struct aiordma_wc") != _WC_SIZE:  # pragma:
     raise ImportError("struct aiordma_wc does not have the layout aiordma expects")
 
 
-class WCArray:
+class WCArray(completions.CompletionArray):
     """A preallocated array of flat completions for allocation-free polling.
 
-    ``cq.poll_into(arr)`` fills it and returns a count; read fields with the
-    cheap accessors or decode entries with ``arr[i]``.
+    ``cq.poll_into(arr)`` fills it and returns a count; the data path reads it with
+    :meth:`entries`, anything else decodes entries with ``arr[i]``.
     """
 
     def __init__(self, n: int) -> None:
@@ -719,9 +678,6 @@ class WCArray:
             raise ValueError("a WCArray needs at least one entry")
         self.n = n
         self._a: Any = _ffi.new("struct aiordma_wc[]", n)
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int) -> WorkCompletion:
         w = self._a[i]
@@ -732,16 +688,8 @@ class WCArray:
             int(w.qp_num), int(w.src_qp), int(w.vendor_err), flags,
         )  # fmt: skip
 
-    def decode(self, count: int) -> list[WorkCompletion]:
-        return [self[i] for i in range(count)]
-
     def entries(self, count: int) -> list[tuple[int, int, int, int, int, int]]:
-        """``(wr_id, status, opcode, byte_len, imm, qp_num)`` of the first ``count`` entries, in one pass.
-
-        ``imm`` is the immediate data (host order) or -1 when the completion
-        carries none.  Cheaper than the per-field accessors on the data path:
-        the array is read as bytes and unpacked by ``struct`` in C.
-        """
+        """In one pass: the array is read as bytes and unpacked by ``struct`` in C."""
         if count <= 0:
             return []
         raw = _ffi.buffer(self._a, count * _WC_SIZE)
@@ -749,22 +697,6 @@ class WCArray:
             (wr_id, status, op, byte_len, imm if flags & _WC_WITH_IMM else -1, qp)
             for wr_id, status, op, _vendor, byte_len, imm, qp, _src, flags in _WC_STRUCT.iter_unpack(raw)
         ]
-
-    def wr_id(self, i: int) -> int:
-        return int(self._a[i].wr_id)
-
-    def status(self, i: int) -> int:
-        return int(self._a[i].status)
-
-    def byte_len(self, i: int) -> int:
-        return int(self._a[i].byte_len)
-
-    def opcode(self, i: int) -> int:
-        return int(self._a[i].opcode)
-
-    def imm_data(self, i: int) -> int | None:
-        w = self._a[i]
-        return int(w.imm_data) if int(w.wc_flags) & _WC_WITH_IMM else None
 
 
 class CompletionChannel(_Resource):
@@ -895,7 +827,7 @@ class CompletionQueue(_Resource):
         self._ensure_open("aiordma_wake")
         return functools.partial(_lib.aiordma_wake, channel._h if channel is not None else _ffi.NULL, self._h)
 
-    def poll(self, max_entries: int = 16) -> list[WorkCompletion]:
+    def poll(self, max_entries: int = 16) -> list[completions.WorkCompletion]:
         """Poll up to ``max_entries`` completions (an empty list if none)."""
         arr = self._scratch if max_entries <= self._scratch.n else WCArray(max_entries)
         return arr.decode(self.poll_into(arr, max_entries))
@@ -906,7 +838,7 @@ class CompletionQueue(_Resource):
         n = arr.n if max_entries is None else min(max_entries, arr.n)
         return _check(int(_lib.aiordma_poll_spin(self._h, n, arr._a, int(spin_ns))), "ibv_poll_cq")
 
-    def poll_spin(self, max_entries: int = 16, spin_ns: int = 50_000) -> list[WorkCompletion]:
+    def poll_spin(self, max_entries: int = 16, spin_ns: int = 50_000) -> list[completions.WorkCompletion]:
         arr = self._scratch if max_entries <= self._scratch.n else WCArray(max_entries)
         return arr.decode(self.poll_spin_into(arr, spin_ns, max_entries))
 

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from .._errors import PostError, RDMAError
+from .._rdma.completions import CompletionArray, WorkCompletion
 from .._rdma.lifetime import Resource, foreign
 from .._rdma.constants import (
     DEFAULT_MR_ACCESS,
@@ -84,7 +85,6 @@ from .._rdma.constants import (
     WCStatus,
     event_type_name,
     gid_bytes,
-    wc_status_name,
 )
 
 if TYPE_CHECKING:
@@ -212,54 +212,11 @@ class _Completion:
         self.qp, self.sq_seq = qp, sq_seq
 
 
-@dataclass(frozen=True, slots=True)
-class SimWorkCompletion:
-    """A decoded completion, with the fields and helpers of ``verbs.WorkCompletion``."""
-
-    wr_id: int
-    status: int
-    opcode: int
-    byte_len: int
-    imm_data: int | None
-    qp_num: int
-    src_qp: int = 0
-    vendor_err: int = 0
-    wc_flags: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 0
-
-    @property
-    def status_name(self) -> str:
-        return wc_status_name(self.status)
-
-    @property
-    def status_str(self) -> str:
-        return self.status_name
-
-    @property
-    def opcode_name(self) -> str:
-        try:
-            return WCOpcode(self.opcode).name
-        except ValueError:
-            return str(self.opcode)
-
-    @property
-    def is_recv(self) -> bool:
-        return bool(self.opcode & 128)
-
-    def error(self, call: str = "ibv_poll_cq") -> RDMAError:
-        """The :class:`RDMAError` describing a failed completion (errno EIO)."""
-        return RDMAError(errno.EIO, call, f"wr_id={self.wr_id} qp={self.qp_num} {self.status_name}",
-                         wc_status=self.status_name)  # fmt: skip
-
-    def raise_for_status(self) -> None:
-        if self.status != 0:
-            raise self.error()
+#: a decoded completion: the same class as the native binding's (``_rdma/completions.py``)
+SimWorkCompletion = WorkCompletion
 
 
-class SimWCArray:
+class SimWCArray(CompletionArray):
     """The counterpart of ``verbs.WCArray``: ``cq.poll_into(arr)`` fills it."""
 
     def __init__(self, n: int) -> None:
@@ -268,43 +225,20 @@ class SimWCArray:
         self.n = n
         self._wc: list[_Completion | None] = [None] * n
 
-    def __len__(self) -> int:
-        return self.n
-
     def _get(self, i: int) -> _Completion:
         c = self._wc[i]
         if c is None:
             raise IndexError(f"entry {i} was never filled")
         return c
 
-    def __getitem__(self, i: int) -> SimWorkCompletion:
+    def __getitem__(self, i: int) -> WorkCompletion:
         c = self._get(i)
         imm = None if c.imm < 0 else c.imm
-        return SimWorkCompletion(c.wr_id, c.status, c.opcode, c.byte_len, imm, c.qp_num, c.src_qp, 0,
-                                 0 if imm is None else WC_WITH_IMM)  # fmt: skip
-
-    def decode(self, count: int) -> list[SimWorkCompletion]:
-        return [self[i] for i in range(count)]
+        return WorkCompletion(c.wr_id, c.status, c.opcode, c.byte_len, imm, c.qp_num, c.src_qp, 0,
+                              0 if imm is None else WC_WITH_IMM)  # fmt: skip
 
     def entries(self, count: int) -> list[tuple[int, int, int, int, int, int]]:
-        """``(wr_id, status, opcode, byte_len, imm, qp_num)`` of the first ``count``; ``imm`` -1 if none."""
         return [(c.wr_id, c.status, c.opcode, c.byte_len, c.imm, c.qp_num) for c in map(self._get, range(count))]
-
-    def wr_id(self, i: int) -> int:
-        return self._get(i).wr_id
-
-    def status(self, i: int) -> int:
-        return self._get(i).status
-
-    def byte_len(self, i: int) -> int:
-        return self._get(i).byte_len
-
-    def opcode(self, i: int) -> int:
-        return self._get(i).opcode
-
-    def imm_data(self, i: int) -> int | None:
-        imm = self._get(i).imm
-        return None if imm < 0 else imm
 
 
 class _SimResource(Resource):
