@@ -21,7 +21,7 @@ state              sample                                                 then
 KERNEL (timeout    nothing queued                                         IDLE (stop looking)
 on: the kernel     the window closed (below one segment), bytes queued    timeout off, JUDGING
 judges)            otherwise                                              look again
-JUDGING (timeout   the peer dead (below)                                  DEAD
+JUDGING (timeout   the peer dead (below) at two looks a grace apart       DEAD
 off: the watch     nothing queued                                         timeout on, IDLE
 judges)            data in flight, no backoff (the window opened)         timeout on, KERNEL
                    otherwise                                              look again
@@ -35,7 +35,12 @@ unanswered probes, ``tcpi_probes``, or -- for retransmitted probes, which it doe
 there -- two back-offs since the last ACK the watch saw).  One unanswered probe is normal for a
 live peer: Linux answers out-of-window segments at most every 500 ms (``tcp_invalid_ratelimit``)
 and the first probes come 200 and 400 ms apart; the probes back off after that, so two never
-both fall inside the limit.
+both fall inside the limit.  But the kernel counts a probe the moment it sends it, and its answer
+takes a round trip -- or, on a loaded host, until the softirq gets the CPU: a live peer that let
+one probe pass unanswered has a second one "unanswered" while its ACK is on the way (seen on a
+busy two-core host, a budget of one second, loopback).  So the verdict needs a second look: the
+peer is dead only if it still is at least :meth:`WindowWatch.grace` later (a tick, or four round
+trips if that is longer) with nothing acknowledged in between.
 
 The probes back off exponentially while the window stays closed (up to two minutes apart), so a
 host that dies while its window is closed is found after about twice the time the window had
@@ -59,8 +64,8 @@ __all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "TCP_INFO_SIZE"]
 
 #: struct tcp_info (linux/tcp.h), the fields the watch reads, in one unpack: tcpi_probes and
 #: tcpi_backoff (bytes 3-4), tcpi_snd_mss (16), tcpi_unacked (24), tcpi_last_ack_recv (56),
-#: tcpi_notsent_bytes (144), tcpi_snd_wnd (228)
-_FIELDS = struct.Struct("=3xBB11xI4xI28xI84xI80xI")
+#: tcpi_rtt (68), tcpi_notsent_bytes (144), tcpi_snd_wnd (228)
+_FIELDS = struct.Struct("=3xBB11xI4xI28xI8xI72xI80xI")
 #: bytes of TCP_INFO asked for (tcpi_snd_wnd ends at 232: Linux 5.4 and later)
 TCP_INFO_SIZE = _FIELDS.size
 
@@ -78,6 +83,8 @@ class TcpSample(NamedTuple):
     unacked: int
     #: milliseconds since the last ACK from the peer (``tcpi_last_ack_recv``)
     last_ack_ms: int
+    #: the smoothed round-trip time, microseconds (``tcpi_rtt``)
+    rtt_us: int
     #: bytes written and not sent yet (``tcpi_notsent_bytes``)
     notsent: int
     #: the peer's advertised window, bytes (``tcpi_snd_wnd``)
@@ -171,6 +178,12 @@ class WindowWatch:
         self.state = State.IDLE
         self._seen_at: float | None = None  # when the last sample was taken
         self._backoff_at_ack = 0  # the back-off when the last ACK was seen (JUDGING)
+        self._suspected_at: float | None = None  # the first look that found the peer dead
+
+    def grace(self, sample: TcpSample) -> float:
+        """How long a peer found dead must stay so before the verdict: the answer to the last
+        probe may be on its way (a tick, or four round trips if that is longer)."""
+        return max(self.tick, 4 * sample.rtt_us / 1e6)
 
     @property
     def looking(self) -> bool:
@@ -200,6 +213,7 @@ class WindowWatch:
             if sample.window_closed:
                 self.state = State.JUDGING
                 self._backoff_at_ack = sample.backoff
+                self._suspected_at = None
                 return Step(user_timeout=False, again=True)
             self.state = State.KERNEL
             return _STAY
@@ -207,9 +221,17 @@ class WindowWatch:
         # in jiffies: an ACK near the last look counts as after it -- the later verdict.)
         if seen_at is None or sample.last_ack_ms <= (now - seen_at) * 1000 + 20:
             self._backoff_at_ack = sample.backoff
+            self._suspected_at = None
         if self._dead(sample):
-            self.state = State.DEAD
-            return Step(dead=self._error(sample))
+            suspected_at = self._suspected_at
+            if suspected_at is None:
+                self._suspected_at = now
+                return _STAY
+            if now - suspected_at >= self.grace(sample):
+                self.state = State.DEAD
+                return Step(dead=self._error(sample))
+            return _STAY
+        self._suspected_at = None
         if not sample.queued:
             self.state = State.IDLE
             return Step(user_timeout=True)
@@ -234,6 +256,7 @@ class WindowWatch:
             return _STOP
         self.state = State.JUDGING
         self._backoff_at_ack = sample.backoff
+        self._suspected_at = None
         self._seen_at = None
         return Step(user_timeout=False)
 
