@@ -46,11 +46,11 @@ __all__ = ["NativeSession", "native_lib", "CS_OPEN", "EVT_DATA", "EVT_ROOM", "EV
 
 def native_lib() -> tuple[Any, Any] | None:
     """``(ffi, lib)`` of the native module, or None when it was not built (then only "checked" runs)."""
-    from . import verbs
+    from . import _native
 
-    if verbs._lib is None:
+    if _native._lib is None:
         return None
-    return verbs._ffi, verbs._lib
+    return _native._ffi, _native._lib
 
 
 _NATIVE = native_lib()
