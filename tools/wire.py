@@ -138,10 +138,12 @@ class WireRelay:
                 if dst is None:
                     self.dropped[side] += 1
                     continue
+                # counted before it leaves: whoever receives it may ask for the count at once
+                self.forwarded[side] += 1
                 try:
                     dst.sendall(header + frame)
-                    self.forwarded[side] += 1
                 except OSError:
+                    self.forwarded[side] -= 1
                     self.dropped[side] += 1  # the other side's qemu went away
         except OSError:
             pass
