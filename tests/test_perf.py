@@ -120,7 +120,7 @@ def test_perf_over_rdma_in_every_poll_mode(tmp_path: Path) -> None:
     # (small: in the guest every line is a process's worth of Python run ~20x slower; the figures
     # themselves are the benchmarks' business, docs/benchmarks.md)
     proc = _run("perf", "client", "--local", "--sizes", "64,4K", "--iterations", "10", "--bw-bytes", "256K",
-                "--json", "--plot", str(plot), "--no-progress", timeout=600)  # fmt: skip
+                "--bw-messages", "200", "--json", "--plot", str(plot), "--no-progress", timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     labels = [(ln["transport"], ln["poll"]) for ln in data["lines"]]

@@ -117,15 +117,21 @@ class CompletionChannel(_Resource):
         self._ensure_open("fileno")
         return self._fd
 
-    def drain_events_per_cq(self, max_events: int = 64) -> dict[CompletionQueue, int]:
-        """Read pending events (until EAGAIN or ``max_events``), ack them, and count them per CQ."""
-        self._ensure_open("ibv_get_cq_event")
+    def _drain(self, max_events: int) -> int:
+        """Read and ack pending events (until EAGAIN or ``max_events``) into the channel's
+        arrays, grown to ``max_events`` first; returns how many events there were."""
+        if self._h is None:
+            self._ensure_open("ibv_get_cq_event")
         if max_events > self._ev_max:
             self._ev_cqs = _ffi.new("struct ibv_cq *[]", max_events)
             self._ev_counts = _ffi.new("unsigned int[]", max_events)
             self._ev_max = max_events
         total = int(_lib.aiordma_drain_cq_events(self._h, max_events, self._ev_cqs, self._ev_counts, self._ev_n))
-        _check(total, "ibv_get_cq_event")
+        return _check(total, "ibv_get_cq_event")
+
+    def drain_events_per_cq(self, max_events: int = 64) -> dict[CompletionQueue, int]:
+        """Read pending events (until EAGAIN or ``max_events``), ack them, and count them per CQ."""
+        self._drain(max_events)
         out: dict[CompletionQueue, int] = {}
         for i in range(int(self._ev_n[0])):
             cq = self._cqs.get(_addr(self._ev_cqs[i]))
@@ -135,14 +141,7 @@ class CompletionChannel(_Resource):
 
     def drain_events(self, max_events: int = 64) -> int:
         """Read and acknowledge pending events; returns how many (0 if none)."""
-        if self._h is None:
-            self._ensure_open("ibv_get_cq_event")
-        if max_events > self._ev_max:
-            self._ev_cqs = _ffi.new("struct ibv_cq *[]", max_events)
-            self._ev_counts = _ffi.new("unsigned int[]", max_events)
-            self._ev_max = max_events
-        total = int(_lib.aiordma_drain_cq_events(self._h, max_events, self._ev_cqs, self._ev_counts, self._ev_n))
-        return _check(total, "ibv_get_cq_event")
+        return self._drain(max_events)
 
     def close(self) -> None:
         """``ibv_destroy_comp_channel``; the CQs using it must be closed first."""

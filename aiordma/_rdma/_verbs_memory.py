@@ -8,12 +8,13 @@ import mmap
 from typing import Any
 
 from .constants import DEFAULT_MR_ACCESS, Access
+from .lifetime import RegionBytes
 from ._native import NativeDomain, _Resource, _addr, _check, _count, _fail, _ffi, _lib, _require_native
 
 __all__ = ["MemoryRegion", "MemoryWindow", "next_rkey"]
 
 
-class MemoryRegion(_Resource):
+class MemoryRegion(_Resource, RegionBytes):
     """A registered memory region (``ibv_reg_mr``).
 
     ``MemoryRegion(pd, n)`` allocates ``n`` bytes with an anonymous shared
@@ -69,23 +70,6 @@ class MemoryRegion(_Resource):
 
     def __repr__(self) -> str:
         return f"<MemoryRegion addr=0x{self.addr:x} len={self.length} lkey=0x{self.lkey:x} rkey=0x{self.rkey:x}>"
-
-    def view(self, offset: int = 0, length: int | None = None) -> memoryview:
-        """A writable memoryview of part of the region; release it when done."""
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"[{offset}:{offset + length}] is outside the {self.length}-byte region")
-        with memoryview(self.buffer) as mv:
-            return mv.cast("B")[offset : offset + length]
-
-    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        with self.view(offset, len(data)) as v:
-            v[:] = data
-
-    def read(self, offset: int = 0, length: int | None = None) -> bytes:
-        with self.view(offset, length) as v:
-            return bytes(v)
 
     def close(self) -> None:
         """``ibv_dereg_mr``, then unmap the memory this object allocated."""

@@ -17,11 +17,11 @@ from __future__ import annotations
 import errno
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from .._errors import RDMAError
 
-__all__ = ["Resource", "CLOSE_ORDER", "foreign"]
+__all__ = ["Resource", "RegionBytes", "CLOSE_ORDER", "foreign"]
 
 #: the order a set of verbs objects closes in (children first)
 CLOSE_ORDER = "QP, CQ, completion channel, MR, PD, context"
@@ -87,3 +87,31 @@ class Resource:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:  # fmt: skip
         self.close()
+
+
+class RegionBytes(Resource):
+    """The bytes of a memory region, native or simulated, seen from this process: a subclass
+    sets ``buffer`` (the memory it registered) and ``length``.  A closed region refuses
+    (``EBADF``); a view taken before ``close()`` stays valid until it is released."""
+
+    buffer: Any
+    length: int
+
+    def view(self, offset: int = 0, length: int | None = None) -> memoryview:
+        """A writable memoryview of part of the region; release it when done."""
+        if self._closed:
+            self._ensure_open("view")
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}:{offset + length}] is outside the {self.length}-byte region")
+        with memoryview(self.buffer) as mv:
+            return mv.cast("B")[offset : offset + length]
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        with self.view(offset, len(data)) as v:
+            v[:] = data
+
+    def read(self, offset: int = 0, length: int | None = None) -> bytes:
+        with self.view(offset, length) as v:
+            return bytes(v)

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._errors import RDMAError
 from .._rdma.constants import DEFAULT_MR_ACCESS, Access
+from .._rdma.lifetime import RegionBytes
 from ._simbase import _SimDomainBase, _SimResource, _pin_readonly, _unpin
 
 __all__ = ["SimMemoryRegion", "SimMemoryWindow"]
@@ -47,7 +48,7 @@ class _Memory:
         return any(m.addr <= addr and addr + length <= m.addr + m.length for m in self.by_lkey.values())
 
 
-class SimMemoryRegion(_SimResource):
+class SimMemoryRegion(_SimResource, RegionBytes):
     """A registered region of real memory: ``addr`` is its address in this process."""
 
     _kind = "mrs"
@@ -97,24 +98,6 @@ class SimMemoryRegion(_SimResource):
 
     def __repr__(self) -> str:
         return f"<SimMemoryRegion addr=0x{self.addr:x} len={self.length} lkey=0x{self.lkey:x} rkey=0x{self.rkey:x}>"
-
-    def view(self, offset: int = 0, length: int | None = None) -> memoryview:
-        """A writable memoryview of part of the region; release it when done."""
-        self._ensure_open("view")
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"[{offset}:{offset + length}] is outside the {self.length}-byte region")
-        with memoryview(self.buffer) as mv:
-            return mv.cast("B")[offset : offset + length]
-
-    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        with self.view(offset, len(data)) as v:
-            v[:] = data
-
-    def read(self, offset: int = 0, length: int | None = None) -> bytes:
-        with self.view(offset, length) as v:
-            return bytes(v)
 
     def close(self) -> None:
         if self._closed:
