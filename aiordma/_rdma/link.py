@@ -21,13 +21,12 @@ tasks that wait -- a receiver for data, a sender for credits or send slots.
 No task polls, no loop spins: every wait is on a future (asyncio) or an Event
 (trio) that only :meth:`on_completions`, a fatal event or teardown sets.
 
-Ownership and teardown follow the device's rules (``docs/architecture.md``):
-stop posting, send the CLOSE frame signaled and wait for its completion
-(bounded), move the QP to ERROR, wait until every posted receive and every
-signaled send came back (bounded), destroy the QP, and only then give the
-rings back to the device's cache and release the device.  Each step runs
-whatever the one before said (errors are logged, never left to leak the
-rest), also under cancellation.
+Closing is the link's third collaborator, :class:`~aiordma._rdma.closing.LinkClose`
+(``closing.py``): deliver (the CLOSE frame's completion, the peer's last READs), then tear
+down in the device's order (``docs/architecture.md``): stop posting, the QP to ERROR, the
+flushes drained (bounded), the QP destroyed, and only then the rings and the device given
+back -- each step whatever the one before said, also under cancellation.  The data path reads
+the close's ``closing`` flag: from then on it takes nothing more from the user.
 
 Errors are translated here, at one boundary: verbs and completion errors
 become the Core's error (``BrokenResourceError`` on the anyio API, with the
@@ -61,8 +60,8 @@ from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .remote import RemoteOps
 from .resources import LinkResources
-from .states import LinkState
-from .watch import GOODBYE, PeerWatch
+from .closing import LinkClose
+from .watch import PeerWatch
 
 __all__ = ["RdmaLink", "local_ip_of", "peer_ip_of"]
 
@@ -110,12 +109,6 @@ class RdmaLink(Link):
         self.control: ControlLink | None = None
         self._parking = io.parking()  # readers, senders and teardown wait here
         self._qp_errored = False
-        self._closing = False
-        self._delivering = False  # closing, and waiting until the peer has everything (see aclose)
-        self._abort = False
-        self._closed_done = False
-        self._close_failed: BaseException | None = None  # why closing could not deliver (aclose raises it)
-        self._close_task: asyncio.Task[None] | None = None
         self._active = False
         self._early: list[bytes] = []  # bytes that arrived before the switch (native path)
         self._sq_wanted = False  # armed for send completions because posting waits for room (native)
@@ -125,6 +118,8 @@ class RdmaLink(Link):
         self.remote = RemoteOps(self, qp_access=int(qp_setup.QP_ACCESS), rndv_limit=backend.config.rendezvous_inflight)
         #: the watch over the peer: the TCP connection after the switch, its goodbye, liveness probes
         self.watch = PeerWatch(self)
+        #: the close: delivery, then teardown (``closing.py``); its ``closing`` ends the data path
+        self.closer = LinkClose(self)
 
     # -- set-up (the resources' steps: resources.py) ----------------------------------------
 
@@ -139,7 +134,7 @@ class RdmaLink(Link):
             finally:
                 link.session, link.native, link._chan = res.session, res.native, res.chan
         except BaseException as exc:
-            link._destroy()
+            link.closer.destroy()
             if isinstance(exc, RdmaSetupError):
                 raise
             if isinstance(exc, (RDMAError, OSError, ValueError)):
@@ -253,7 +248,7 @@ class RdmaLink(Link):
                 if core.error is not None and session.error is None:
                     session.fail(core.error)
                 elif core.closed and c.withheld:
-                    self._release_withheld()  # (closed: what arrives is dropped, credits flow)
+                    self.release_withheld()  # (closed: what arrives is dropped, credits flow)
             elif early:
                 self._early.append(bytes(view))
         if events & EVT_ONESIDED:
@@ -284,11 +279,28 @@ class RdmaLink(Link):
         else:
             self.unwant_sends(True)
 
-    def _posted(self, session: DataPath) -> None:
+    def posted(self, session: DataPath) -> None:
         """After a call that posts: the CQ follows what posting waits for; a refused post fails the Core."""
         self._track_sq()
         if session.error is not None:
             self.broke()
+
+    def release_withheld(self) -> None:
+        """This side is closed and reads no more: return every credit withheld for a reader, now and
+        from now on (what arrives is dropped by the Core)."""
+        session = self.session
+        if session is None or session.error is not None:
+            return
+        if session.withheld:
+            session.release_withheld()
+            self.posted(session)
+
+    def stop_tracking_sends(self) -> None:
+        """Teardown: disarm what :meth:`_track_sq` armed."""
+        device = self.device
+        if self._sq_wanted and device is not None:
+            self._sq_wanted = False
+            device.poller.want_sends(-1)
 
     def on_completions(self, entries: list[tuple[int, int, int, int, int, int]]) -> None:
         """Completions polled in Python (the checked path; on the native path, one that C could
@@ -348,6 +360,11 @@ class RdmaLink(Link):
         except (RDMAError, OSError) as exc:
             log.warning("aiordma: moving the failed connection's QP to ERROR: %s", exc)
 
+    @property
+    def active(self) -> bool:
+        """Carrying the Core (since :meth:`activate`)."""
+        return self._active
+
     def wake_all(self) -> None:
         self._parking.unpark_all()
 
@@ -358,7 +375,7 @@ class RdmaLink(Link):
 
     def _finished(self) -> bool:
         session = self.session
-        return session is None or session.error is not None or self._closing or self.core.closed
+        return session is None or session.error is not None or self.closer.closing or self.core.closed
 
     async def wait_incoming(self) -> None:
         """Wait for something to read (see ``Link``).  Never returns without yielding: a reader
@@ -377,7 +394,7 @@ class RdmaLink(Link):
 
     def incoming(self) -> Awaitable[None]:
         session = self.session
-        if session is None or session.error is not None or self._closing or self.core.closed:
+        if session is None or session.error is not None or self.closer.closing or self.core.closed:
             return self.wait_incoming()
         parking = self._parking
         wakes = parking.wakes
@@ -390,7 +407,7 @@ class RdmaLink(Link):
             # a reader waits although much is buffered (a long line, a large
             # message): it wants more, so the peer gets its credits back
             session.release_withheld()
-            self._posted(session)
+            self.posted(session)
         watch = self.watch
         if not watch.watched and watch.probing:
             watch.watch()
@@ -408,20 +425,20 @@ class RdmaLink(Link):
         if session is None:
             return
         session.reader_took(self.core.buffered)
-        self._posted(session)
+        self.posted(session)
         if self._chan is not None:  # (the native path: only while C withholds credits)
             self.needs_consumed = self._chan.withheld != 0 or self.remote.fetch is not None
 
     def check_usable(self) -> None:
         core = self.core
         session = self.session
-        if core.closed or self._closing or core.error is not None or session is None or session.error is not None:
+        if core.closed or self.closer.closing or core.error is not None or session is None or session.error is not None:
             raise self._unusable()
 
     def _unusable(self) -> BaseException:
         """Why this connection takes no more sends (closed, or its error)."""
         core = self.core
-        if core.closed or self._closing:
+        if core.closed or self.closer.closing:
             return ClosedResourceError()
         if core.error is not None:
             return core.broken()
@@ -443,12 +460,12 @@ class RdmaLink(Link):
         what is not posted yet is copied out of the caller's buffers."""
         session = self.session
         core = self.core
-        if session is None or session.error is not None or self._closing or core.error is not None or core.closed:
+        if session is None or session.error is not None or self.closer.closing or core.error is not None or core.closed:
             raise self._unusable()
         end = session.send(chunks)
         if not end:
             return  # (all of it posted: the common case)
-        self._posted(session)
+        self.posted(session)
         if session.error is not None:
             self.check_usable()  # the post failed: raises
         if session.posted_bytes < end:
@@ -490,7 +507,7 @@ class RdmaLink(Link):
     @property
     def watching(self) -> bool:
         """Carrying the Core, and not closing for good (a close that delivers is still watched)."""
-        return self._active and self.qp is not None and (not self._closing or self._delivering)
+        return self._active and self.qp is not None and (not self.closer.closing or self.closer.delivering)
 
     @property
     def waiters(self) -> int:
@@ -521,7 +538,7 @@ class RdmaLink(Link):
         before = session.enqueued
         end = session.send(chunks)
         if end:
-            self._posted(session)
+            self.posted(session)
             session.detach(end, end - before)
 
     @property
@@ -531,7 +548,7 @@ class RdmaLink(Link):
     @property
     def lost(self) -> bool:
         session = self.session
-        return session is None or session.error is not None or self.watch.tcp_lost or self._closing
+        return session is None or session.error is not None or self.watch.tcp_lost or self.closer.closing
 
     async def drain(self, low: int = 0) -> None:
         """Wait until at most ``low`` queued bytes are not posted yet."""
@@ -550,210 +567,29 @@ class RdmaLink(Link):
         transport: asyncio.BaseTransport | None = getattr(self.control, "transport", None)
         return transport
 
+    # -- closing (the link's collaborator: closing.py) ------------------------------------------
+
     def close_nowait(self, final: bytes) -> None:
-        """Start the teardown in a task (asyncio's ``close()``); ``wait_closed`` awaits it."""
-        if self._close_task is None:
-            self._close_task = asyncio.get_running_loop().create_task(self.aclose(final))
-            self._close_task.add_done_callback(_log_close_failure)
+        """Start the close in a task (asyncio's ``close()``); ``wait_closed`` awaits it."""
+        self.closer.close_nowait(final)
 
     async def wait_closed(self) -> None:
-        if self._close_task is not None:
-            await asyncio.shield(self._close_task)
-
-    # -- teardown ------------------------------------------------------------------------
+        await self.closer.wait_closed()
 
     async def aclose(self, final: bytes) -> None:
-        """Close in order: deliver, then tear down (see the module docs, "Closing").
-
-        Everything queued before ``final`` (the CLOSE frame) goes out first; the link then waits
-        until the CLOSE's completion came back (the peer's NIC placed it, and with it everything
-        before it, in the peer's receive buffers) and the peer READ every rendezvous region it
-        still had to take.  A slow reader is waited for however long it pauses, as long as its
-        host is alive: the liveness probes (``RdmaConfig.liveness_probe``; without them the TCP
-        connection's keepalive) tell a dead host from a slow one, never a timer on progress.
-        When the connection breaks before the peer has everything, this raises
-        ``BrokenResourceError`` (after the teardown).  Only when everything was delivered
-        does the TCP connection carry the closing side's goodbye (a CLOSE frame) before it ends,
-        which tells the peer that the CLOSE is in its queue: the TCP end can then never overtake
-        the data.  A delivery that cannot complete (the peer stopped reading, the connection
-        failed, this call was cancelled) is an abort: the teardown runs, no goodbye goes, and
-        the peer sees an error -- never a shorter stream that looks complete.  Idempotent; the
-        teardown itself is shielded."""
-        if self._closing:
-            if not self._closed_done:
-                with anyio.CancelScope(shield=True):
-                    while not self._closed_done:
-                        await self.park()
-            return
-        self._closing = True
-        wanted = self.want_sends()  # the last send's completion, then the flushes
-        delivered = False
-        try:
-            if self._may_deliver(final):
-                delivered = await self._deliver(final)
-                if not delivered and self._close_failed is not None:
-                    err = BrokenResourceError(
-                        f"the connection broke before the peer had everything: {self._close_failed}"
-                    )  # fmt: skip
-                    err.__cause__ = self._close_failed
-                    raise err
-            elif self._answers_a_close():
-                delivered = True  # nothing to deliver; the goodbye tells the closer we closed in order
-        finally:
-            self._delivering = False
-            with anyio.CancelScope(shield=True):
-                try:
-                    if delivered and self.control is not None:
-                        await self._say_goodbye(self.control)
-                    await self._teardown()
-                    if self.control is not None:
-                        await self.control.aclose(b"")
-                finally:
-                    self.unwant_sends(wanted)
-                    self._closed_done = True
-                    self.wake_all()
-
-    async def _say_goodbye(self, control: Link) -> None:
-        """Tell the peer, on the TCP connection, that our CLOSE is in its queue (see :meth:`aclose`)."""
-        with anyio.move_on_after(self.config.close_timeout):
-            try:
-                await control.send([GOODBYE])
-            except (BrokenResourceError, ClosedResourceError, OSError) as exc:
-                log.debug("aiordma: the goodbye on the TCP connection did not go: %r", exc)
+        """Close in order: deliver, then tear down (``closing.py``).  Everything queued before
+        ``final`` (the CLOSE frame) reaches the peer, however long a live peer's reader pauses;
+        ``BrokenResourceError`` if the connection broke first.  Idempotent; the teardown is shielded."""
+        await self.closer.aclose(final)
 
     def abort(self) -> None:
-        """Close at once, delivering nothing more (``asyncio.Transport.abort``); the teardown runs
-        in a task, as with :meth:`close_nowait`.  The peer sees the connection fail."""
-        self._abort = True
-        self.close_nowait(b"")
-
-    def _may_deliver(self, final: bytes) -> bool:
-        """Whether closing has something to deliver: a CLOSE frame, a backlog, or regions the
-        peer has yet to READ -- on a healthy connection whose peer still reads."""
-        session = self.session
-        if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
-            return False
-        if self.watch.tcp_lost or (self._active and self.core.peer_close is not None):
-            return False  # the peer closed first and reads no more
-        return bool(final) or session.backlog or self.remote.rndv_staged > 0
-
-    def _answers_a_close(self) -> bool:
-        """The peer closed first and we close after it, with nothing to send (a CLOSE answers no
-        CLOSE): it may still wait for regions of its we will never READ, and learns from our
-        goodbye that we closed in order -- not that we died."""
-        session = self.session
-        if self._abort or session is None or session.state is not LinkState.OPEN or session.error is not None:
-            return False
-        return self._active and not self.watch.tcp_lost and self.core.peer_close is not None
-
-    async def _deliver(self, final: bytes) -> bool:
-        """Post the backlog and ``final``, then wait until the peer has it all (see :meth:`aclose`);
-        returns whether it has.  Cancellable: a cancelled delivery is an abort."""
-        session = self.session
-        assert session is not None
-        self._delivering = True
-        self._release_withheld()  # this side reads no more: the peer's sends (its RNDV_DONEs) must flow
-        session.close(final)
-        self._posted(session)
-        while True:
-            # the peer closed (its CLOSE came, or its goodbye: it closed in order after ours): it reads
-            # no more, and the regions it has not READ are done with
-            peer_closed = self.core.peer_close is not None or self.watch.peer_goodbye
-            if session.close_sent and (peer_closed or not self.remote.rndv_staged):
-                return True  # our CLOSE is in its queue: the goodbye may tell it so
-            if peer_closed and (session.error is not None or self.watch.tcp_lost or self.watch.peer_ended):
-                return False  # both closed; the peer tore down first: nothing was lost that it wanted
-            if session.error is not None or self.watch.tcp_lost:
-                self._close_failed = session.error or self.core.error or ConnectionResetError("the TCP connection ended")
-                log.info(
-                    "aiordma: closing an RDMA connection: it broke before the peer had everything (%d rendezvous "
-                    "bytes not READ, CLOSE %s): %s",
-                    self.remote.rndv_staged, "delivered" if session.close_sent else "not delivered", self._close_failed,
-                )  # fmt: skip
-                return False
-            watch = self.watch
-            if not watch.watched and watch.probing:
-                watch.watch()  # a peer host that died is noticed within the retry budget
-            await self.park()
-
-    def _release_withheld(self) -> None:
-        """This side is closed and reads no more: return every credit withheld for a reader, now and
-        from now on (what arrives is dropped by the Core)."""
-        session = self.session
-        if session is None or session.error is not None:
-            return
-        if session.withheld:
-            session.release_withheld()
-            self._posted(session)
-
-    async def _teardown(self) -> None:
-        """QP to ERROR, wait for the flushes (bounded), then destroy and release (see the module docs)."""
-        session = self.session
-        if session is not None and self.qp is not None:
-            session.begin_drain()
-            try:
-                self.qp.to_error()
-            except (RDMAError, OSError) as exc:
-                log.warning("aiordma: RDMA teardown: moving the QP to ERROR: %s", exc)
-            if self.device is not None and not self.device.closed:
-                self.device.poller.poll_now()
-            with anyio.move_on_after(self.config.close_timeout):
-                while not session.drained:
-                    await self.park()
-            if not session.drained:
-                log.warning(
-                    "aiordma: RDMA teardown: %d receives and %d sends did not come back within %.1f s; "
-                    "destroying the QP reclaims them",
-                    session.rq_posted, session.signaled_out, self.config.close_timeout,
-                )  # fmt: skip
-        self._destroy()
-
-    def _destroy(self) -> None:
-        """Destroy the QP (the barrier after which the device touches nothing), then release the rest."""
-        self.watch.stop()
-        device = self.device
-        errors: list[BaseException] = []
-
-        def attempt(action: Callable[[], Any]) -> None:
-            try:
-                action()
-            except Exception as exc:  # every later step runs regardless
-                errors.append(exc)
-
-        res = self.res
-        res.unroute()
-        if self._sq_wanted and device is not None:
-            self._sq_wanted = False
-            device.poller.want_sends(-1)
-        # every grant dies first, here and only here: a bound type-2 window holds a reference on
-        # its QP (rxe waits, 10 s per object, for those at destroy), and no rkey outlives the QP
-        self.remote.revoke_all(attempt)
-        qp_gone = res.destroy_qp(attempt)
-        session = self.session
-        if session is not None and qp_gone and session.state is not LinkState.CLOSED:
-            try:
-                session.begin_drain()
-                session.reclaim()
-            except RuntimeError:
-                pass
-        if qp_gone:
-            self.remote.release_all(attempt)  # (the QP is gone: nothing touches their memory)
-        self.wake_all()  # one-sided operations waiting for a completion: the QP is gone
-        res.release(attempt, qp_gone, keep_scope=self.remote.exposures > 0)
-        callbacks, self.on_destroyed = self.on_destroyed, []
-        for callback in callbacks:
-            attempt(callback)
-        for exc in errors:
-            log.warning("aiordma: RDMA teardown: %s", exc)
+        """Close at once, delivering nothing more (``asyncio.Transport.abort``); the peer sees the
+        connection fail."""
+        self.closer.abort()
 
     async def discard(self) -> None:
         """Release a link that was prepared but never activated (fallback, setup error)."""
-        self._closing = True
-        with anyio.CancelScope(shield=True):
-            try:
-                await self._teardown()
-            finally:
-                self._closed_done = True
+        await self.closer.discard()
 
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
@@ -764,12 +600,6 @@ class RdmaLink(Link):
         attrs[TransportAttribute.device] = lambda: device
         attrs[TransportAttribute.qp_num] = lambda: qp_num
         return attrs
-
-
-def _log_close_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("aiordma: closing an RDMA connection failed: %r", task.exception())
-
 
 
 if TYPE_CHECKING:  # mypy holds the link to the interface asyncio's front ends use
