@@ -403,6 +403,25 @@ def project_dir() -> Path:
     return root if (root / "pyproject.toml").is_file() else Path.cwd().resolve()
 
 
+#: the project's own source trees: their bytecode is written on the host before a guest boots
+SOURCE_TREES: Final = ("aiordma", "tools", "tests", "benchmarks")
+
+
+def compile_sources(root: Path | None = None) -> None:
+    """Write the bytecode of the project's own modules (``__pycache__``, checked against each
+    source's mtime as usual).  This host and CI run with ``PYTHONDONTWRITEBYTECODE=1``, so no
+    process ever wrote it, and every Python process in a guest compiled aiordma again: under TCG
+    that was ~4 s of each process's ~11 s ``import aiordma`` (measured in one boot: 10.5-11.3 s
+    without, 6.6-7.5 s with); the guest stages start a process per peer, CLI call and plugin
+    run.  The guests keep ``PYTHONDONTWRITEBYTECODE`` (two of them share the tree)."""
+    import compileall
+
+    root = project_dir() if root is None else root
+    for name in SOURCE_TREES:
+        if (root / name).is_dir():
+            compileall.compile_dir(str(root / name), quiet=2, workers=0)
+
+
 def _dedupe(entries: Sequence[str]) -> list[str]:
     seen: set[str] = set()
     out: list[str] = []
@@ -986,6 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # A cancelled CI job gets SIGTERM: stop the guest as for Ctrl-C.
     signal.signal(signal.SIGTERM, _terminate)
+    compile_sources()
     try:
         if args.hosts == 2:
             netem = (list(args.netem) + ["", ""])[:2]
