@@ -9,7 +9,6 @@ sane numbers, and that the outputs are written.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,14 +112,14 @@ def test_perf_refuses_bad_arguments() -> None:
 
 
 @pytest.mark.rdma
-def test_perf_over_rdma_in_every_poll_mode(tmp_path: Path) -> None:
+def test_perf_over_rdma_in_every_poll_mode() -> None:
     host = rdma_address()
     assert host is not None
-    plot = tmp_path / "perf.png"
     # (small: in the guest every line is a process's worth of Python run ~20x slower; the figures
-    # themselves are the benchmarks' business, docs/benchmarks.md)
+    # themselves are the benchmarks' business, docs/benchmarks.md.  No --plot: drawing is the same
+    # for any lines, and matplotlib under TCG cost ~10 s; the host's TCP test draws one)
     proc = _run("perf", "client", "--local", "--sizes", "64,4K", "--iterations", "10", "--bw-bytes", "256K",
-                "--bw-messages", "200", "--json", "--plot", str(plot), "--no-progress", timeout=600)  # fmt: skip
+                "--bw-messages", "200", "--json", "--no-progress", timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     labels = [(ln["transport"], ln["poll"]) for ln in data["lines"]]
@@ -128,8 +127,6 @@ def test_perf_over_rdma_in_every_poll_mode(tmp_path: Path) -> None:
     for line in data["lines"]:
         assert line["note"] == "", line
         assert all(r["lat_p50_us"] and r["bw_mb_s"] for r in line["results"])
-    assert plot.exists()
-    assert os.path.getsize(plot) > 1000
 
 
 @pytest.mark.rdma

@@ -669,52 +669,29 @@ async def test_the_peer_process_killed_is_noticed_within_a_second() -> None:
     assert live() == before
 
 
-async def _kill_the_peer_host(restart: bool) -> float:
-    t0: float = (await wire("kill", side="a", restart=restart))["sent_at"]  # (the kill came after this)
+async def _kill_the_peer_host() -> float:
+    t0: float = (await wire("kill", side="a"))["sent_at"]  # (the kill came after this)
     return t0
 
 
 @needs_wire
 @pytest.mark.anyio
-async def test_the_peer_host_killed_while_idle_is_noticed_within_the_keepalive_bound() -> None:
-    """qemu of host a killed (its kernel sends nothing, not even a FIN): an idle channel learns
-    it from TCP keepalive, within ``keepalive=`` (5 s by default).  Its liveness probe is off:
-    a reader that waits probes too (within a second after a fresh wait, as the long outage's
-    idle reader shows; after a long one every 8 s), and this test is the keepalive's.  Host a is
-    booted again."""
+async def test_the_peer_host_killed_is_noticed_idle_within_the_keepalive_and_busy_within_a_second() -> None:
+    """qemu of host a killed (its kernel sends nothing, not even a FIN), once, under four
+    channels.  Under traffic -- one-sided WRITEs outstanding at the NIC fail within the RC retry
+    budget; SENDs waiting for the (slower) receiver's credits, and a reader of host a's stream, by
+    the liveness probe (``RdmaConfig.liveness_probe``) -- within 1 s all three.  An idle channel
+    whose liveness probe is off learns it from TCP keepalive, within ``keepalive=`` (5 s by
+    default): a reader that waits probes too (within a second after a fresh wait, as the long
+    outage's idle reader shows; after a long one every 8 s), and this channel is the keepalive's.
+    (One kill for both: booting host a again for a second kill cost the stage ~35 s.)  Last:
+    host a stays down."""
     before = live()
-    ch = await channel(aiordma.RdmaConfig(liveness_probe=0))
-    try:
-        await ch.send(b"ECHO x")
-        assert await ch.receive() == b"x"
-        async with anyio.create_task_group() as tg:
-            failed: dict[str, float] = {}
-
-            async def one() -> None:
-                failed["idle"] = await _fails(ch.receive)
-
-            tg.start_soon(one)
-            t0 = await _kill_the_peer_host(restart=True)
-        _within(failed, t0, {"idle": KEEPALIVE}, "peer host killed, idle")
-    finally:
-        await ch.aclose()
-    assert live() == before
-    await anyio.to_thread.run_sync(wait_for_port, CHANNEL_PORT, 600.0)  # host a again
-    await anyio.to_thread.run_sync(wait_for_port, STREAM_PORT, 600.0)
-    assert await control(b"ECHO back") == b"back"
-
-
-@needs_wire
-@pytest.mark.anyio
-async def test_the_peer_host_killed_mid_transfer_is_noticed_within_a_second() -> None:
-    """Host a killed under traffic: one-sided WRITEs outstanding at the NIC fail within the RC
-    retry budget; SENDs waiting for the (slower) receiver's credits, and a reader of host a's
-    stream, by the liveness probe (``RdmaConfig.liveness_probe``): 1 s all three.  Last: host a
-    stays down."""
-    await anyio.to_thread.run_sync(wait_for_port, CHANNEL_PORT, 600.0)  # (booted again by the test before)
-    before = live()
+    idle = await channel(aiordma.RdmaConfig(liveness_probe=0))
     writer, sender, receiver = await channel(), await channel(), await channel()
     try:
+        await idle.send(b"ECHO x")
+        assert await idle.receive() == b"x"
         remote = await _exposed(writer, b"kill-writer")
         await _sink(sender, b"kill-sender")
         await _source(receiver, b"kill-receiver")
@@ -724,15 +701,16 @@ async def test_the_peer_host_killed_mid_transfer_is_noticed_within_a_second() ->
             async def one(name: str, op: Any) -> None:
                 failed[name] = await _fails(op, name)
 
+            tg.start_soon(one, "idle", idle.receive)
             tg.start_soon(one, "writer", lambda: _writes_forever(writer, remote))
             tg.start_soon(one, "sender", lambda: _sends_forever(sender))
             tg.start_soon(one, "receiver", lambda: _receives_forever(receiver))
             await anyio.sleep(0.5)  # (traffic flowing)
-            t0 = await _kill_the_peer_host(restart=False)
-        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC, "receiver": WITH_TRAFFIC},
-                "peer host killed under traffic")  # fmt: skip
+            t0 = await _kill_the_peer_host()
+        _within(failed, t0, {"writer": WITH_TRAFFIC, "sender": WITH_TRAFFIC, "receiver": WITH_TRAFFIC,
+                             "idle": KEEPALIVE}, "peer host killed")  # fmt: skip
     finally:
-        for ch in (writer, sender, receiver):
+        for ch in (idle, writer, sender, receiver):
             await ch.aclose()
     assert live() == before
 
