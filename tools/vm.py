@@ -419,7 +419,10 @@ def compile_sources(root: Path | None = None) -> None:
     root = project_dir() if root is None else root
     for name in SOURCE_TREES:
         if (root / name).is_dir():
-            compileall.compile_dir(str(root / name), quiet=2, workers=0)
+            try:
+                compileall.compile_dir(str(root / name), quiet=2, workers=0)
+            except OSError as exc:  # (a tree this user cannot write: only slower)
+                _log(f"no bytecode written for {root / name}: {exc}")
 
 
 def _dedupe(entries: Sequence[str]) -> list[str]:
