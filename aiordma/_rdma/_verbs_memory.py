@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import errno as _errno
-import mmap
 from typing import Any
 
 from .constants import DEFAULT_MR_ACCESS, Access
@@ -34,18 +33,7 @@ class MemoryRegion(_Resource, RegionBytes):
     def __init__(self, pd: NativeDomain, length_or_buffer: int | Any, access: int = DEFAULT_MR_ACCESS) -> None:
         _require_native("a MemoryRegion")
         pd._ensure_open("ibv_reg_mr")
-        self._mmap: mmap.mmap | None = None
-        if isinstance(length_or_buffer, int):
-            length = length_or_buffer
-            if length <= 0:
-                raise ValueError("a memory region needs a positive length")
-            page = mmap.PAGESIZE
-            mm = mmap.mmap(-1, (length + page - 1) // page * page)
-            self._mmap = mm
-            self.buffer: Any = mm
-        else:
-            self.buffer = length_or_buffer
-            length = memoryview(length_or_buffer).nbytes
+        length = self._take_memory(length_or_buffer)
         # (a buffer the NIC only reads -- no local write, remote read at most -- may be read-only)
         writable = bool(int(access) & (Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
         cbuf = _ffi.from_buffer("char[]", self.buffer, require_writable=writable)
@@ -53,8 +41,7 @@ class MemoryRegion(_Resource, RegionBytes):
         if h == _ffi.NULL:
             err = int(_ffi.errno)
             _ffi.release(cbuf)
-            if self._mmap is not None:
-                self._mmap.close()
+            self._give_back_memory()
             raise _fail(err, "ibv_reg_mr", f"{length} bytes{_memlock_hint(err)}")
         super().__init__((pd,))
         self.pd = pd
@@ -81,13 +68,7 @@ class MemoryRegion(_Resource, RegionBytes):
         self._h = None
         _ffi.release(self._cbuf)
         self._cbuf = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a view is still out: the mapping goes when it is released
-            self._mmap = None
-        self.buffer = None
+        self._give_back_memory()
         _count("registered_bytes", -self.length)
         self._mark_closed()
 

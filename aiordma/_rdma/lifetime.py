@@ -15,6 +15,7 @@ A verbs object has parents (a PD has its context; an MR its PD; a QP its PD and 
 from __future__ import annotations
 
 import errno
+import mmap
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -96,6 +97,32 @@ class RegionBytes(Resource):
 
     buffer: Any
     length: int
+    _mmap: mmap.mmap | None
+
+    def _take_memory(self, length_or_buffer: int | Any) -> int:
+        """Set ``buffer``: ``length`` bytes of the region's own (an anonymous shared ``mmap``:
+        page-aligned, zero-filled), or the caller's buffer; returns its length in bytes."""
+        self._mmap = None
+        if isinstance(length_or_buffer, int):
+            if length_or_buffer <= 0:
+                raise ValueError("a memory region needs a positive length")
+            page = mmap.PAGESIZE
+            self._mmap = mmap.mmap(-1, (length_or_buffer + page - 1) // page * page)
+            self.buffer = self._mmap
+            return length_or_buffer
+        self.buffer = length_or_buffer
+        return memoryview(length_or_buffer).nbytes
+
+    def _give_back_memory(self) -> None:
+        """Unmap the memory the region allocated (a view still out keeps the mapping until it is
+        released) and forget the buffer."""
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still out: the mapping goes when it is released
+            self._mmap = None
+        self.buffer = None
 
     def view(self, offset: int = 0, length: int | None = None) -> memoryview:
         """A writable memoryview of part of the region; release it when done."""

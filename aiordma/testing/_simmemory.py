@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 from typing import Any
 
 from .._errors import RDMAError
@@ -60,19 +59,9 @@ class SimMemoryRegion(_SimResource, RegionBytes):
         access = int(access)
         if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
             raise RDMAError(errno.EINVAL, "ibv_reg_mr", "remote write access needs LOCAL_WRITE")
-        self._mmap: mmap.mmap | None = None
-        if isinstance(length_or_buffer, int):
-            if length_or_buffer <= 0:
-                raise ValueError("a memory region needs a positive length")
-            page = mmap.PAGESIZE
-            self._mmap = mmap.mmap(-1, (length_or_buffer + page - 1) // page * page)
-            self.buffer: Any = self._mmap
-            length = length_or_buffer
-        else:
-            self.buffer = length_or_buffer
-            length = memoryview(length_or_buffer).nbytes
-            if length == 0:
-                raise ValueError("cannot register an empty buffer")
+        length = self._take_memory(length_or_buffer)
+        if length == 0:
+            raise ValueError("cannot register an empty buffer")
         export = memoryview(self.buffer).cast("B")
         if export.readonly:
             if access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC):
@@ -110,13 +99,7 @@ class SimMemoryRegion(_SimResource, RegionBytes):
         if self._export is not None:
             self._export.release()
             self._export = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a view is still out: the mapping goes when it is released
-            self._mmap = None
-        self.buffer = None
+        self._give_back_memory()
         self._accounts.live["registered_bytes"] -= self.length
         self._mark_closed()
 
