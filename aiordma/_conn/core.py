@@ -61,6 +61,7 @@ from .._proto.protocol import (
     MessageSink,
     Mode,
 )
+from .._proto.receiving import SpareMessage
 
 __all__ = ["Core", "Link", "ControlLink", "NicOps", "NicRegion"]
 
@@ -314,6 +315,20 @@ class Core:
         if self.closed:
             self.discard()
 
+    def feed_lent(self, nbytes: int) -> None:
+        """``nbytes`` from the peer, read into the view the protocol lent (``get_buffer``): as
+        :meth:`feed`, without a copy."""
+        try:
+            events = self.proto.buffer_updated(nbytes)
+        except (ProtocolError, HandshakeError) as exc:
+            self.on_events(exc.pending_events)
+            self.on_error(exc)
+        else:
+            if events:
+                self.on_events(events)
+        if self.closed:
+            self.discard()
+
     def discard(self) -> None:
         """Drop what was received and not read: this side closed and reads no more (what the peer
         sends meanwhile is parsed -- its CLOSE, its answers -- and dropped)."""
@@ -434,7 +449,13 @@ class Core:
                 await self.receive_ended()
             await self.link.incoming()
         data = messages.popleft()
-        if data.__class__ is not bytes:  # a rendezvous: READ it now
+        if data.__class__ is not bytes:
+            if data.__class__ is SpareMessage:  # a long message in its spare buffer: copied once, now
+                messages.nbytes -= len(data)
+                if self.link.needs_consumed:
+                    self.link.consumed()
+                return data.take()
+            # a rendezvous: READ it now
             got = await self._fetch_rendezvous(self._nic(), data)  # type: ignore[arg-type]  # (a Rendezvous)
             assert isinstance(got, bytes)
             return got
@@ -462,15 +483,31 @@ class Core:
 
     async def receive_message_into(self, view: memoryview) -> int:
         """The next message copied into ``view``; its length.  A message larger than ``view``
-        raises :class:`BufferTooSmallError` and stays first in line."""
+        raises :class:`BufferTooSmallError` and stays first in line.
+
+        While it waits, ``view`` is offered to the protocol for the next message
+        (``Connection.offer_landing``): on TCP the socket reads a long message straight into it,
+        a short one is copied into it once.  Cancelled, the offer is withdrawn; a message that
+        landed meanwhile goes back first in line (nothing is lost), one half read goes on in the
+        protocol's own memory.  ``view`` is written only up to the message's length."""
         messages = self.messages
         if messages:
             await self.checkpoint()
-        while not messages:
-            if self.closed or self.peer_eof or self.error is not None:
-                await self.receive_ended()
-            await self.link.incoming()
+        else:
+            landed = await self._wait_landing(view)
+            if landed >= 0:
+                return landed
         data = messages[0]
+        if data.__class__ is SpareMessage:  # a long message in its spare buffer: copied once, now
+            n = len(data)
+            if n > view.nbytes:
+                raise BufferTooSmallError(n, view.nbytes)
+            messages.popleft()
+            messages.nbytes -= n
+            data.copy_into(view)
+            if self.link.needs_consumed:
+                self.link.consumed()
+            return n
         if data.__class__ is not bytes:  # a rendezvous: READ it into the caller's buffer
             rv = cast(Rendezvous, data)  # (the sink holds a rendezvous in its message's place)
             if rv.length > view.nbytes:
@@ -488,6 +525,34 @@ class Core:
         if self.link.needs_consumed:
             self.link.consumed()
         return n
+
+    async def _wait_landing(self, view: memoryview) -> int:
+        """Wait for the next message with ``view`` offered to the protocol: its length if it landed
+        there, -1 if it is in ``messages`` (or raises what a receive that ends raises)."""
+        messages = self.messages
+        proto = self.proto
+        landing = proto.offer_landing(view)
+        try:
+            while True:
+                if landing is not None and landing.length >= 0:
+                    if self.link.needs_consumed:
+                        self.link.consumed()
+                    return landing.length
+                if messages:
+                    break
+                if self.closed or self.peer_eof or self.error is not None:
+                    await self.receive_ended()
+                await self.link.incoming()
+        except BaseException:
+            if landing is not None:
+                back = proto.withdraw_landing(landing)
+                if back is not None and not self.closed:
+                    messages.appendleft(back)  # (it landed, and its reader left: first in line again)
+                    messages.nbytes += len(back)
+            raise
+        if landing is not None:
+            proto.withdraw_landing(landing)  # (not landed: the sink has the next message)
+        return -1
 
     async def send_data(self, data: bytes | bytearray | memoryview) -> None:
         await self.checkpoint()  # a cancel point and a schedule point, before anything is sent

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections import deque
 import struct
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, Union
@@ -44,9 +43,6 @@ MAX_MESSAGE_SIZE_LIMIT: Final = 1 << 30
 DEFAULT_MAX_MESSAGE_SIZE: Final = 16 << 20
 DEFAULT_MAX_FRAME_SIZE: Final = 1 << 20
 DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
-#: Receive buffer: initial size, and the least free room ``get_buffer`` offers.
-RECV_BUFFER_SIZE: Final = 256 << 10
-MIN_RECV_ROOM: Final = 64 << 10
 #: DATA payloads up to this size are copied behind their header into one
 #: bytes object; larger ones are returned as a separate chunk (no copy).
 COALESCE_LIMIT: Final = 16 << 10
@@ -214,16 +210,6 @@ _DATA_HEADER: Final = _DATA_WORD << 32
 _MESSAGE_WORD: Final = _T_MESSAGE << 24
 #: the op byte of a rendezvous MEMORY frame (aiordma._proto.onesided)
 _MEMORY_RNDV: Final = 9
-
-
-class MessageSink(deque[bytes]):
-    """Where whole MESSAGE payloads go without an event (the message twin of
-    ``data_sink``); ``nbytes`` counts the bytes it holds (the reader subtracts
-    what it takes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0
 
 
 def _hmac_key(key: bytes) -> bytes:

@@ -40,6 +40,18 @@ import os
 from collections.abc import Callable
 
 from .._errors import AuthenticationError, HandshakeError, HandshakeTimeoutError, LocalProtocolError, RemoteProtocolError
+from .receiving import (
+    LONG_PEEK,
+    MIN_RECV_ROOM,
+    RECV_BUFFER_SIZE,
+    SPARES,
+    Landing,
+    LongFrame,
+    MessageSink,
+    ReceiveBuffer,
+    SpareBuffers,
+    SpareMessage,
+)
 from .states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
 
 from .framing import (
@@ -70,12 +82,9 @@ from .framing import (
     MAX_MESSAGE_SIZE_LIMIT,
     MEMORY_OVERHEAD,
     MIN_FRAME_SIZE,
-    MIN_RECV_ROOM,
     MemoryFrame,
     Message,
-    MessageSink,
     Mode,
-    RECV_BUFFER_SIZE,
     SELECT_FIXED,
     Transport,
     TransportSelected,
@@ -174,6 +183,9 @@ class Connection:
     only appends to it.  It may be set or cleared between calls.
     """
 
+    #: where long messages' spare buffers come from (a free list the process shares)
+    spares: SpareBuffers = SPARES
+
     def __init__(
         self,
         role: Role,
@@ -215,13 +227,17 @@ class Connection:
         # limits for what we send, from the peer's HELLO
         self._peer_max_message = 0
         self._peer_max_frame = MIN_FRAME_SIZE
-        # receive buffer: bytes [_start:_end] are unparsed; never resized in
-        # place (a view lent by get_buffer may still be alive), only replaced
-        self._buf = bytearray(RECV_BUFFER_SIZE)
-        self._view = memoryview(self._buf)
-        self._size = RECV_BUFFER_SIZE  # len(self._buf), kept with it
-        self._start = 0
-        self._end = 0
+        # where received bytes land (see aiordma._proto.receiving)
+        self._rb = ReceiveBuffer()
+        self._long: LongFrame | None = None  # a long MESSAGE read into its own destination
+        self._landing: Landing | None = None  # a waiting reader's buffer, for the next message
+        #: the last message was long: the next read takes the next header alone
+        self.peek = False
+        #: ``get_buffer`` may lend small views: exactly a long frame's rest, a header alone.  A link
+        #: whose reader drops what does not fit the view it lent last when the connection ends
+        #: (asyncio's and uvloop's TLS read once more at EOF, into one view) clears it: views are
+        #: then never below MIN_RECV_ROOM (a long frame's last bytes go through the receive buffer)
+        self.lend_exact = True
         self._magic_left = len(MAGIC)
         self._magic_sent = False
         self._data_left = 0  # payload bytes left in the current DATA frame
@@ -261,6 +277,8 @@ class Connection:
 
     def _fail(self, err: Exception) -> None:
         self._error = err
+        self._drop_long()
+        self._landing = None
         self.state = State.CLOSED
         self.send_half = Half.CLOSED
         self.recv_half = Half.CLOSED
@@ -489,30 +507,106 @@ class Connection:
     # -- receiving ---------------------------------------------------------
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """A writable view to receive into; pass the count to :meth:`buffer_updated`."""
-        if self._start == self._end and sizehint <= self._size:
-            # all parsed: the whole buffer (never below MIN_RECV_ROOM) is free
-            self._start = self._end = 0
-            return self._view
-        self._reserve(max(sizehint, MIN_RECV_ROOM))
-        return self._view[self._end :]
+        """A writable view to receive into; pass the count to :meth:`buffer_updated`.
+
+        While a long message is read, the view is the rest of its payload, exactly (its
+        destination: a waiting reader's buffer, or a spare one); after one, the next header alone
+        (:attr:`peek`).  See :mod:`aiordma._proto.receiving`."""
+        long = self._long
+        if long is not None:
+            if self.lend_exact or long.length - long.got >= MIN_RECV_ROOM:
+                return long.view[long.got :]
+            long.tail = True  # (the last bytes go through the receive buffer: see lend_exact)
+            return self._rb.view  # (empty while a long frame is read)
+        rb = self._rb
+        if rb.start == rb.end:
+            rb.start = rb.end = 0
+            if self.peek:
+                return rb.view[:_HEADER_SIZE]
+            if sizehint <= rb.size:
+                # all parsed: the whole buffer (never below MIN_RECV_ROOM) is free
+                return rb.view
+        elif self.peek and rb.end - rb.start < _HEADER_SIZE:
+            rb.reserve(_HEADER_SIZE)
+            return rb.view[rb.end : rb.start + _HEADER_SIZE]
+        rb.reserve(max(sizehint, MIN_RECV_ROOM))
+        return rb.view[rb.end :]
 
     def peek_lent(self, nbytes: int) -> bytes:
         """The ``nbytes`` written into the buffer :meth:`get_buffer` lent last, without parsing
         them (a link that no longer carries this protocol's frames reads them so)."""
-        return bytes(self._view[self._end : self._end + nbytes])
+        long = self._long
+        if long is not None:
+            return bytes(long.view[long.got : long.got + nbytes])
+        rb = self._rb
+        return bytes(rb.view[rb.end : rb.end + nbytes])
+
+    def offer_landing(self, view: memoryview) -> Landing | None:
+        """A reader waits for the next message with ``view`` (a flat, writable byte view): the next
+        MESSAGE that fits goes into it (straight from the socket, when it is long) instead of the
+        message sink; ``Landing.length`` then says its length.  ``None`` when another landing is
+        offered already, or on a byte stream.  The view is this object's to write into until the
+        message landed or :meth:`withdraw_landing`."""
+        if self._landing is not None or self.mode is not _M_MESSAGES:
+            return None
+        long = self._long
+        if long is not None:
+            # the next message is being read into a spare buffer: the reader's buffer takes over
+            # (what is in moves once; the rest comes straight), or the reader finds it too small
+            if long.landing is not None or long.length > view.nbytes:
+                return None
+            assert long.spare is not None
+            landing = Landing(view)
+            dest = view[: long.length]
+            dest[: long.got] = long.view[: long.got]
+            long.view.release()
+            self.spares.give(long.spare)
+            long.view, long.spare, long.landing = dest, None, landing
+            return landing
+        landing = self._landing = Landing(view)
+        return landing
+
+    def withdraw_landing(self, landing: Landing) -> bytes | None:
+        """The reader of ``landing`` leaves (cancelled, or it found a message in the sink): its
+        buffer is its own again.  A message that landed already is returned (put it back first in
+        line: nothing is lost); one half read into it goes on in a spare buffer."""
+        if self._landing is landing:
+            self._landing = None
+            return None
+        long = self._long
+        if long is not None and long.landing is landing:
+            spare = self.spares.take(long.length)
+            view = memoryview(spare)[: long.length]
+            view[: long.got] = long.view[: long.got]
+            long.view, long.spare, long.landing = view, spare, None
+            return None
+        if landing.length >= 0:
+            return bytes(landing.view[: landing.length])
+        return None
 
     def buffer_updated(self, nbytes: int) -> list[Event]:
-        end = self._end + nbytes
-        if nbytes < 0 or end > self._size:
+        long = self._long
+        if long is not None:
+            if long.tail:
+                return self._long_tail(long, nbytes)
+            got = long.got + nbytes
+            if nbytes < 0 or got > long.length:
+                raise ValueError("nbytes is larger than the buffer lent by get_buffer")
+            long.got = got
+            if got < long.length:
+                return []
+            return self._long_done(long)
+        rb = self._rb
+        end = rb.end + nbytes
+        if nbytes < 0 or end > rb.size:
             raise ValueError("nbytes is larger than the buffer lent by get_buffer")
-        self._end = end
+        rb.end = end
         sink = self.data_sink
         # the fast path (see _sink_frames, inlined here: this runs for every
         # read of a TCP connection); state OPEN implies no error
         if sink is not None and self.state is _S_OPEN and self.recv_half is _H_OPEN and self.mode is _M_STREAM and not self.paused:
-            view = self._view
-            pos = self._start
+            view = rb.view
+            pos = rb.start
             if self._data_left:
                 pos = self._sink_frames(sink, view, pos, end)
             else:
@@ -531,25 +625,111 @@ class Connection:
                         break
                     sink += view[first:pos]
             if pos == end:
-                self._start = self._end = 0
-                if self._size > RECV_BUFFER_SIZE:
-                    self._shrink()
+                rb.start = rb.end = 0
+                if rb.size > RECV_BUFFER_SIZE:
+                    rb.shrink()
                 return []
-            self._start = pos
+            rb.start = pos
         elif (
             self.message_sink is not None
             and self.state is _S_OPEN
             and self.recv_half is _H_OPEN
             and self.mode is _M_MESSAGES
         ):
-            pos = self._sink_messages(self.message_sink, self._view, self._start, end)
+            pos = rb.start
+            if self._landing is not None:
+                pos = self._land(rb.view, pos, end)
+            pos = self._sink_messages(self.message_sink, rb.view, pos, end)
             if pos == end:
-                self._start = self._end = 0
-                if self._size > RECV_BUFFER_SIZE:
-                    self._shrink()
+                rb.start = rb.end = 0
+                if rb.size > RECV_BUFFER_SIZE:
+                    rb.shrink()
                 return []
-            self._start = pos
+            rb.start = pos
         return self._parse()
+
+    def _land(self, view: memoryview, pos: int, end: int) -> int:
+        """The message fast path with a landing: the first frame, if it is a whole MESSAGE that
+        fits, goes into the landing; returns the position after what was taken."""
+        landing = self._landing
+        assert landing is not None
+        if end - pos < _HEADER_SIZE:
+            return pos
+        word, length = _unpack_words(view, pos)
+        first = pos + _HEADER_SIZE
+        if word != _MESSAGE_WORD or length > self.max_message_size or end - first < length:
+            return pos  # (not a whole MESSAGE: the other paths decide)
+        self._landing = None
+        if length > landing.view.nbytes:
+            return pos  # (too large for it: it goes to the sink, where the reader finds it)
+        landing.view[:length] = view[first : first + length]
+        landing.length = length
+        end_: int = first + length
+        return end_
+
+    def _begin_long(self, view: memoryview, first: int, end: int, length: int) -> None:
+        """A MESSAGE frame whose payload (``length`` bytes) starts at ``view[first:end]`` and goes
+        on: read the rest into its own destination (a landing that fits, else a spare buffer)."""
+        landing = self._landing
+        spare = None
+        self._landing = None  # (the next message is this one: the landing takes it, or nothing)
+        if landing is not None and length <= landing.view.nbytes:
+            dest = landing.view[:length]
+        else:
+            landing = None
+            spare = self.spares.take(length)
+            dest = memoryview(spare)[:length]
+        head = end - first
+        dest[:head] = view[first:end]
+        self._long = LongFrame(dest, head, landing, spare)
+
+    def _long_done(self, long: LongFrame) -> list[Event]:
+        """The last byte of a long MESSAGE is in: hand it out (the receive buffer is empty)."""
+        self._long = None
+        self.peek = self.lend_exact and long.length >= LONG_PEEK
+        if self.state is not _S_OPEN or self.recv_half is not _H_OPEN:
+            # (state moved meanwhile -- our CLOSE: the tables decide, as for any MESSAGE)
+            if self.state not in _READING:
+                self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
+            self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
+        landing = long.landing
+        if landing is not None:
+            landing.length = long.length
+            return []
+        assert long.spare is not None
+        parked = SpareMessage(long.view, long.spare, self.spares)
+        sink = self.message_sink
+        if sink is None:
+            return [Message(parked.take())]
+        sink.append(parked)  # (its reader copies it once, into bytes or into its buffer)
+        sink.nbytes += long.length
+        return []
+
+    def _long_tail(self, long: LongFrame, nbytes: int) -> list[Event]:
+        """The last bytes of a long frame and what follows it, read into the receive buffer (not
+        ``lend_exact``): the frame's part moves to its destination, the rest is parsed."""
+        rb = self._rb
+        if nbytes < 0 or nbytes > rb.size:
+            raise ValueError("nbytes is larger than the buffer lent by get_buffer")
+        long.tail = False
+        take = min(nbytes, long.length - long.got)
+        long.view[long.got : long.got + take] = rb.view[:take]
+        long.got += take
+        if long.got < long.length:
+            return []
+        events = self._long_done(long)
+        if take == nbytes:
+            return events
+        rb.start, rb.end = take, nbytes
+        return events + self._parse()
+
+    def _drop_long(self) -> None:
+        long = self._long
+        if long is not None:
+            self._long = None
+            if long.spare is not None:
+                long.view.release()
+                self.spares.give(long.spare)
 
     def _sink_messages(self, sink: MessageSink, view: memoryview, pos: int, end: int) -> int:
         """The message fast path: whole MESSAGE frames at ``view[pos:end]`` go to ``sink``.
@@ -581,15 +761,19 @@ class Connection:
         n = len(data)
         if not n:
             return []
+        if self._long is not None:
+            return self._receive_lending(data)
         sink = self.data_sink
         pos = 0
         msink = self.message_sink
+        rb = self._rb
         if (
             msink is not None
-            and self._start == self._end
+            and rb.start == rb.end
             and self.state is _S_OPEN
             and self.recv_half is _H_OPEN
             and self.mode is _M_MESSAGES
+            and self._landing is None
         ):
             # nothing buffered: whole MESSAGE frames go straight from the caller's bytes
             view = memoryview(data)
@@ -608,16 +792,19 @@ class Connection:
                     msink.nbytes += length
                 if pos == n:
                     return []
-                self._reserve(n - pos)
-                self._buf[0 : n - pos] = view[pos:]
+                if n - pos > LONG_PEEK:
+                    # (a long message begins, most likely: its payload goes to its destination)
+                    return self._receive_lending(view[pos:])
+                rb.reserve(n - pos)
+                rb.buf[0 : n - pos] = view[pos:]
             finally:
                 view.release()
-            self._start = 0
-            self._end = n - pos
+            rb.start = 0
+            rb.end = n - pos
             return self._parse()
         if (
             sink is not None
-            and self._start == self._end
+            and rb.start == rb.end
             and self.state is _S_OPEN
             and self.recv_half is _H_OPEN
             and self.mode is _M_STREAM
@@ -630,17 +817,38 @@ class Connection:
                 pos = self._sink_frames(sink, view, 0, n)
                 if pos == n:
                     return []
-                self._reserve(n - pos)
-                self._buf[0 : n - pos] = view[pos:]
+                rb.reserve(n - pos)
+                rb.buf[0 : n - pos] = view[pos:]
             finally:
                 view.release()  # the caller may resize its bytearray again
-            self._start = 0
-            self._end = n - pos
+            rb.start = 0
+            rb.end = n - pos
             return self._parse()
-        self._reserve(n)
-        self._buf[self._end : self._end + n] = data
-        self._end += n
+        if self._landing is not None or self.mode is _M_MESSAGES and n >= LONG_PEEK:
+            return self._receive_lending(data)
+        rb.reserve(n)
+        rb.buf[rb.end : rb.end + n] = data
+        rb.end += n
         return self._parse()
+
+    def _receive_lending(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        """``receive_data`` through :meth:`get_buffer`/:meth:`buffer_updated`: a long message's
+        payload goes from ``data`` to its destination (one copy), not through the receive buffer."""
+        events: list[Event] = []
+        with memoryview(data) as src:
+            pos, n = 0, src.nbytes
+            try:
+                while pos < n:
+                    dest = self.get_buffer(n - pos)
+                    take = min(dest.nbytes, n - pos)
+                    dest[:take] = src[pos : pos + take]
+                    del dest  # (possibly the receive buffer's own view: dropped, not released)
+                    pos += take
+                    events += self.buffer_updated(take)
+            except (RemoteProtocolError, HandshakeError) as err:
+                err.pending_events = events + err.pending_events
+                raise
+        return events
 
     def _sink_frames(self, sink: bytearray, view: memoryview, pos: int, end: int) -> int:
         """The fast path: append DATA payloads at ``view[pos:end]`` to ``sink``.
@@ -685,7 +893,8 @@ class Connection:
         if self.close_received is not None or self.close_sent:
             return []
         self._check_alive()
-        pending = self._end - self._start
+        long = self._long
+        pending = self._rb.end - self._rb.start or (long.length - long.got if long is not None else 0)
         err: Exception
         if self._data_left or pending:
             err = RemoteProtocolError(
@@ -699,41 +908,16 @@ class Connection:
         self._fail(err)
         raise err
 
-    def _reserve(self, room: int) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
-        if self._size - self._end >= room:
-            return
-        pending = self._end - self._start
-        if self._start and self._size - pending >= room:
-            # compact in place: same size, so allowed with views outstanding
-            self._buf[0:pending] = self._buf[self._start : self._end]
-        else:
-            new = bytearray(max(self._size, pending + room))
-            new[0:pending] = self._buf[self._start : self._end]
-            self._buf = new
-            self._view = memoryview(new)
-            self._size = len(new)
-        self._start = 0
-        self._end = pending
-
-    def _shrink(self) -> None:
-        # after a large message, go back to the normal size once all is parsed
-        if self._size > RECV_BUFFER_SIZE and self._start == self._end:
-            self._buf = bytearray(RECV_BUFFER_SIZE)
-            self._view = memoryview(self._buf)
-            self._size = RECV_BUFFER_SIZE
-            self._start = self._end = 0
-
     def _parse(self) -> list[Event]:
         self._check_alive()
         events: list[Event] = []
         if self.paused:
             return events
-        view = self._view
+        rb = self._rb
+        view = rb.view
         sink = self.data_sink
-        pos = self._start
-        end = self._end
+        pos = rb.start
+        end = rb.end
         try:
             if self._magic_left:
                 pos = self._parse_magic(pos, end)
@@ -772,11 +956,27 @@ class Connection:
                     raise RemoteProtocolError(
                         f"{FrameType(ftype).name} frame of {length} bytes exceeds the limit {limit}"
                     )
-                if end - pos < HEADER.size + length:
+                if end - pos < _HEADER_SIZE + length:
+                    if (
+                        ftype == _T_MESSAGE
+                        and self.state is _S_OPEN
+                        and self.recv_half is _H_OPEN
+                        and self.mode is _M_MESSAGES
+                        and (
+                            pos + _HEADER_SIZE + length > rb.size
+                            or (self._landing is not None and length <= self._landing.view.nbytes)
+                        )
+                    ):
+                        # a long message (or one a reader waits for): the rest of its payload
+                        # goes to its own destination, straight from the socket
+                        self._begin_long(view, pos + _HEADER_SIZE, end, length)
+                        pos = end
+                        return events
                     # wait for the rest; make room for it (bounded by the check above)
-                    self._start = pos
-                    self._reserve(HEADER.size + length - (end - pos))
-                    pos = self._start
+                    self.peek = False
+                    rb.start = pos
+                    rb.reserve(_HEADER_SIZE + length - (end - pos))
+                    pos = rb.start
                     return events
                 payload = view[pos + HEADER.size : pos + HEADER.size + length]
                 pos += HEADER.size + length
@@ -792,17 +992,17 @@ class Connection:
             raise
         finally:
             if self._error is None:
-                self._start = pos
-                if pos == self._end:
-                    self._start = self._end = 0
-                    if self._size > RECV_BUFFER_SIZE:
-                        self._shrink()
+                rb.start = pos
+                if pos == rb.end:
+                    rb.start = rb.end = 0
+                    if rb.size > RECV_BUFFER_SIZE:
+                        rb.shrink()
         return events
 
     def _parse_magic(self, pos: int, end: int) -> int:
         offset = len(MAGIC) - self._magic_left
         take = min(self._magic_left, end - pos)
-        got = bytes(self._view[pos : pos + take])
+        got = bytes(self._rb.view[pos : pos + take])
         if got != MAGIC[offset : offset + take]:
             err = HandshakeError(f"the peer does not speak aiordma (it sent {got!r} where {MAGIC!r} was expected)")
             self._fail(err)
@@ -844,6 +1044,14 @@ class Connection:
             if self.state not in _READING:
                 self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
             self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
+            landing = self._landing
+            if landing is not None:  # the next message is the waiting reader's, if it fits
+                self._landing = None
+                n = len(payload)
+                if n <= landing.view.nbytes:
+                    landing.view[:n] = payload
+                    landing.length = n
+                    return None
             return Message(bytes(payload))
         if ftype is FrameType.DATA:
             # only reached when the fast path refused it: wrong mode or state
@@ -858,6 +1066,8 @@ class Connection:
                 # a stream's rendezvous: its bytes come before everything after it, so nothing
                 # after it is parsed until they are in (resume())
                 self.paused = True
+            elif len(payload) and payload[0] == _MEMORY_RNDV:
+                self._landing = None  # (a rendezvous message comes first: the reader takes it from the sink)
             return MemoryFrame(bytes(payload))
         if ftype is FrameType.EOF:
             if self.state not in _READING:

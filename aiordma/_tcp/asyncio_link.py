@@ -99,7 +99,11 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
-        elif transport.get_extra_info("uvloop.sslproto") is not None:
+        else:
+            # TLS: at the peer's end, asyncio's and uvloop's TLS protocols read what they hold
+            # once more, into one view, and drop what does not fit it: lend no small views
+            self._proto.lend_exact = False
+        if self.fd < 0 and transport.get_extra_info("uvloop.sslproto") is not None:
             # uvloop's TLS drops what it holds undecrypted when the connection ends while we
             # have paused reading (asyncio's keeps it for us): with these limits it stops reading
             # the socket as soon as it holds anything we have not taken, so the peer's end stays

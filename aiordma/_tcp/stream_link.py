@@ -141,11 +141,11 @@ class StreamLink(ControlLink):
             watch = self._window
             try:
                 if watch is None:
-                    data = await self.stream.receive(RECEIVE_SIZE)
+                    data = await self._pull()
                 elif watch.state is _IDLE and not self._duplex:  # (nothing to look at: no scope)
                     self._plain_reader = True
                     try:
-                        data = await self.stream.receive(RECEIVE_SIZE)
+                        data = await self._pull()
                     finally:
                         self._plain_reader = False
                         if watch.state is _KERNEL and not self._send_lock.locked():
@@ -163,7 +163,10 @@ class StreamLink(ControlLink):
                 self.ended = True
                 core.feed_eof(exc)
             else:
-                core.feed(data)
+                if isinstance(data, int):
+                    core.feed_lent(data)
+                else:
+                    core.feed(data)
                 if self._outbox:
                     await self._flush_outbox()
                 if core.peer_close is not None and not self._eof_sent and not core.closed:
@@ -226,7 +229,38 @@ class StreamLink(ControlLink):
                 self._duplex = True
             self._apply(watch.unattended(read_sample(self._window_sock)))
 
-    async def _watched_receive(self, watch: WindowWatch) -> bytes:
+    async def _pull(self) -> bytes | int:
+        """Read what the peer sent: on a plain TCP socket straight into the protocol's buffer
+        (``get_buffer``; returns the count, for ``Core.feed_lent``), so that a long message lands
+        where its reader wants it with no copy in between; else ``bytes`` from the stream.
+
+        As trio's own ``receive``: a cancel point before the read, none after it (what was read
+        is fed, whatever happens)."""
+        sock = self._raw
+        if sock is None:
+            return await self.stream.receive(RECEIVE_SIZE)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        get_buffer = self.core.proto.get_buffer
+        waited = False
+        while True:
+            if sock.fileno() < 0:
+                raise ClosedResourceError
+            view = get_buffer(-1)
+            try:
+                n: int = sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                del view
+                await anyio.wait_readable(sock)
+                waited = True
+                continue
+            del view
+            if not n:
+                raise EndOfStream
+            if not waited:
+                await anyio.lowlevel.cancel_shielded_checkpoint()  # (a schedule point: others run)
+            return n
+
+    async def _watched_receive(self, watch: WindowWatch) -> bytes | int:
         """A reader's wait in a scope whose deadline brings it back to look while the watch looks."""
         try:
             while True:
@@ -235,7 +269,7 @@ class StreamLink(ControlLink):
                     if watch.looking:
                         scope.deadline = anyio.current_time() + watch.tick
                     try:
-                        return await self.stream.receive(RECEIVE_SIZE)
+                        return await self._pull()
                     finally:
                         self._receive_scope = None
                 self._look()  # (the deadline passed: a look is due; or the peer is dead)

@@ -1,0 +1,218 @@
+"""The receive side's memory, sans I/O: where the peer's bytes land before they are handed out.
+
+:class:`~aiordma._proto.protocol.Connection` reads through three kinds of memory:
+
+* its :class:`ReceiveBuffer` -- headers, control frames, DATA, and every message that fits;
+* a :class:`LongFrame` -- the payload of a MESSAGE frame too long for that buffer, read into a
+  destination of its own (the socket writes it there straight, once the header is parsed);
+* a :class:`Landing` -- the buffer of a reader that waits in ``receive_into``, offered for the next
+  message: that message goes into it and nowhere else.
+
+A long message that completes with no reader waiting stays in its spare buffer, in the message
+sink, as a :class:`SpareMessage`: the reader that comes for it copies it once, into ``bytes``
+(``receive()``) or into its buffer (``receive_into``), and the spare goes back.
+
+Theory of operation: copies
+---------------------------
+The kernel's copy (socket to user space) is the only one a byte needs when its destination is
+known before it is read.  So a long message's payload is lent to the socket *exactly*
+(``get_buffer`` returns the rest of the frame, no more): the kernel writes it into the waiting
+reader's buffer (zero copies after the kernel's) or into a spare buffer from which ``receive()``
+makes its ``bytes`` (one copy, the one a ``bytes`` result needs).  The read that ends a long frame
+ends at its last byte, so the next frame starts at the beginning of the receive buffer; and after
+a long frame the next read takes the header alone (:attr:`Connection.peek`), so the next long
+message's payload is not read ahead into the receive buffer only to be copied out again.  Messages
+that fit in the receive buffer are copied once from it (into ``bytes``, or into the landing).
+
+Spare buffers are taken from a bounded free list (:class:`SpareBuffers`) and given back once the
+message is handed out: a connection between long messages holds none, and a stream of long
+messages allocates nothing after the first (issue 33; issue 23's bound on idle memory).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Final, Union
+
+__all__ = [
+    "ReceiveBuffer",
+    "Landing",
+    "LongFrame",
+    "SpareMessage",
+    "MessageSink",
+    "SpareBuffers",
+    "SPARES",
+    "RECV_BUFFER_SIZE",
+    "MIN_RECV_ROOM",
+    "LONG_PEEK",
+]
+
+#: Receive buffer: initial size (and the size it goes back to), and the least free room
+#: ``get_buffer`` offers.
+RECV_BUFFER_SIZE: Final = 256 << 10
+MIN_RECV_ROOM: Final = 64 << 10
+
+#: After a MESSAGE of at least this many bytes came as a long frame, the next read takes the next
+#: header alone (see the module docs): one system call more per long message, no read-ahead copy.
+LONG_PEEK: Final = 64 << 10
+#: Spare buffers come in powers of two from this size up.
+_SPARE_MIN: Final = 128 << 10
+
+
+class ReceiveBuffer:
+    """Bytes ``[start:end]`` of ``buf`` are received and not parsed yet.
+
+    Never resized in place (a view lent by ``get_buffer`` may still be alive): only replaced.
+    ``size`` is ``len(buf)``, kept with it (the hot paths read it)."""
+
+    __slots__ = ("buf", "view", "size", "start", "end")
+
+    def __init__(self, size: int = RECV_BUFFER_SIZE) -> None:
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.size = size
+        self.start = 0
+        self.end = 0
+
+    def reserve(self, room: int) -> None:
+        """Make ``room`` bytes free after ``end`` (compacting, or a larger buffer)."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        if self.size - self.end >= room:
+            return
+        pending = self.end - self.start
+        if self.start and self.size - pending >= room:
+            # compact in place: same size, so allowed with views outstanding
+            self.buf[0:pending] = self.buf[self.start : self.end]
+        else:
+            new = bytearray(max(self.size, pending + room))
+            new[0:pending] = self.buf[self.start : self.end]
+            self.buf = new
+            self.view = memoryview(new)
+            self.size = len(new)
+        self.start = 0
+        self.end = pending
+
+    def shrink(self) -> None:
+        """Back to the normal size, once everything is parsed (after a large control frame)."""
+        if self.size > RECV_BUFFER_SIZE and self.start == self.end:
+            self.buf = bytearray(RECV_BUFFER_SIZE)
+            self.view = memoryview(self.buf)
+            self.size = RECV_BUFFER_SIZE
+            self.start = self.end = 0
+
+
+class Landing:
+    """A waiting reader's buffer, offered for the next message (``Connection.offer_landing``).
+
+    ``length`` is -1 until a message landed in ``view`` (then its length, and the connection no
+    longer holds the landing).  The reader's buffer is the connection's, to write the next message
+    into, from the offer until the message landed or the reader withdrew it
+    (``Connection.withdraw_landing``)."""
+
+    __slots__ = ("view", "length")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.length = -1
+
+
+class LongFrame:
+    """A MESSAGE payload read into its own destination: ``view`` (exactly ``length`` bytes, of
+    a landing or of ``spare``), of which ``got`` bytes are in."""
+
+    __slots__ = ("view", "got", "length", "landing", "spare", "tail")
+
+    def __init__(self, view: memoryview, got: int, landing: Landing | None, spare: bytearray | None) -> None:
+        self.view = view
+        self.got = got
+        self.length = view.nbytes
+        self.landing = landing
+        self.spare = spare
+        #: the receive buffer was lent for the frame's last bytes (``Connection.lend_exact`` off)
+        self.tail = False
+
+
+class SpareMessage:
+    """A long message parked in its spare buffer (in the message sink, in its place) until a reader
+    takes it: :meth:`take` (its ``bytes``) or :meth:`copy_into`; either gives the spare back."""
+
+    __slots__ = ("view", "spare", "pool")
+
+    def __init__(self, view: memoryview, spare: bytearray, pool: SpareBuffers) -> None:
+        self.view = view
+        self.spare = spare
+        self.pool = pool
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def take(self) -> bytes:
+        data = bytes(self.view)  # the one copy a bytes result needs
+        self.release()
+        return data
+
+    def copy_into(self, dest: memoryview) -> int:
+        n = self.view.nbytes
+        dest[:n] = self.view
+        self.release()
+        return n
+
+    def release(self) -> None:
+        self.view.release()
+        self.pool.give(self.spare)
+
+
+class MessageSink(deque[Union[bytes, SpareMessage]]):
+    """Where whole MESSAGE payloads go without an event (the message twin of
+    ``data_sink``); ``nbytes`` counts the bytes it holds (the reader subtracts
+    what it takes).  A long message that found no reader waiting is a :class:`SpareMessage`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+
+class SpareBuffers:
+    """A bounded free list of large buffers (powers of two), shared by connections.
+
+    It is a cache, nothing more: ``take`` returns a buffer of at least ``n`` bytes, from the list
+    or new; ``give`` puts one back unless the list would then hold more than ``limit`` bytes (then
+    it is freed).  A buffer never handed back is simply collected.  Thread-safe (connections of
+    several loops may share it)."""
+
+    def __init__(self, limit: int = 64 << 20) -> None:
+        self.limit = limit
+        self.held = 0
+        self._free: dict[int, list[bytearray]] = {}
+        self._lock = threading.Lock()
+        #: buffers made because none was free (what a test of allocations counts)
+        self.made = 0
+
+    def take(self, n: int) -> bytearray:
+        size = max(_SPARE_MIN, 1 << (n - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self.held -= size
+                return free.pop()
+            self.made += 1
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        with self._lock:
+            if self.held + size > self.limit:
+                return
+            self.held += size
+            self._free.setdefault(size, []).append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.held = 0
+
+
+#: The process's spare buffers (a free list, like the interpreter's own; ``Connection.spares``).
+SPARES: Final = SpareBuffers()

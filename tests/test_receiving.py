@@ -1,0 +1,381 @@
+"""Where received bytes land, and what they cost (issue 33, item 1).
+
+The sans-IO connection reads long messages into their own destination -- a waiting reader's
+buffer (a *landing*) or a spare buffer -- straight from the socket.  These tests play the kernel:
+they write the peer's bytes into the views ``get_buffer`` lends, and so see where every byte lands:
+
+* any messages, any reads, landings offered and withdrawn at any point: every message arrives
+  whole, once, in order (properties);
+* copies, counted per path: a long message's payload is written by the kernel straight into the
+  waiting reader's buffer (no copy after the kernel's), or into a spare buffer from which
+  ``receive()`` makes its ``bytes`` (one copy); no allocation grows with the number of messages;
+* end to end, the sender in another process: ``receive_into`` allocates nothing per message and
+  ``receive()`` only its result, under asyncio, uvloop and trio.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aiordma
+from aiordma._proto.protocol import Connection, Message, MessageSink, Mode
+from aiordma._proto.receiving import LONG_PEEK, MIN_RECV_ROOM, Landing, SpareBuffers, SpareMessage
+from aiordma._proto.states import Role
+
+
+LIMIT = 1 << 20
+KiB = 1 << 10
+
+
+def opened_pair(limit: int = LIMIT) -> tuple[Connection, Connection]:
+    """A client and a server, open, in message mode; the server has a message sink."""
+    c = Connection(Role.CLIENT, Mode.MESSAGES, now=0.0, max_message_size=limit)
+    s = Connection(Role.SERVER, Mode.MESSAGES, now=0.0, max_message_size=limit)
+    s.receive_data(c.send_hello())
+    c.receive_data(s.send_hello())
+    s.receive_data(c.select("tcp"))
+    s.message_sink = MessageSink()
+    s.spares = SpareBuffers()
+    return c, s
+
+
+def taken(sink: MessageSink | None) -> list[bytes]:
+    """Everything in the sink, as a reader takes it (a parked long message copied out once)."""
+    assert sink is not None
+    out = []
+    while sink:
+        item = sink.popleft()
+        out.append(item.take() if isinstance(item, SpareMessage) else item)
+    return out
+
+
+def wire(c: Connection, messages: list[bytes]) -> bytes:
+    return b"".join(b"".join(bytes(x) for x in c.send_message(m)) for m in messages)
+
+
+class Kernel:
+    """Writes the peer's bytes into the views the connection lends, and records where they went:
+    ``landed[id(buffer)]`` counts the bytes written into each buffer."""
+
+    def __init__(self, conn: Connection, data: bytes) -> None:
+        self.conn = conn
+        self.data = memoryview(data)
+        self.pos = 0
+        self.landed: dict[int, int] = {}
+
+    def read(self, limit: int = 1 << 30) -> list[Any]:
+        view = self.conn.get_buffer(-1)
+        if not self.conn.lend_exact:  # (asyncio's TLS: it drops what does not fit the last view at EOF)
+            assert view.nbytes >= MIN_RECV_ROOM, f"a {view.nbytes}-byte view lent to a reader that wants no small ones"
+        n = min(view.nbytes, limit, len(self.data) - self.pos)
+        view[:n] = self.data[self.pos : self.pos + n]
+        owner = id(view.obj)
+        self.landed[owner] = self.landed.get(owner, 0) + n
+        del view
+        self.pos += n
+        return self.conn.buffer_updated(n)
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.data)
+
+
+def payloads(sizes: list[int]) -> list[bytes]:
+    return [bytes([(i * 7 + j) & 0xFF for j in range(min(n, 251))]) * (n // 251) + bytes(n % 251) for i, n in enumerate(sizes)]
+
+
+sizes = st.lists(
+    st.one_of(st.integers(0, 300), st.integers(LONG_PEEK - 16, LONG_PEEK + 16), st.integers(200 * KiB, 700 * KiB)),
+    max_size=8,
+)
+
+
+@given(
+    sizes=sizes,
+    reads=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=40),
+    acts=st.lists(st.tuples(st.sampled_from(["offer", "withdraw", "none"]), st.integers(0, 800 * KiB)), max_size=40),
+    lending=st.booleans(),
+    exact=st.booleans(),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_message_arrives_whole_once_and_in_order(
+    sizes: list[int], reads: list[int], acts: list[tuple[str, int]], lending: bool, exact: bool
+) -> None:
+    """Landings offered (of any size) and withdrawn at any point -- as a reader that is cancelled
+    does -- with the bytes fed through ``get_buffer`` (any read sizes) or ``receive_data`` (any
+    cuts): the reader gets every message, whole, in order, as the Core takes them (a landed one
+    first, then the sink).  ``exact``: whether the connection may lend small views (not to
+    asyncio's TLS)."""
+    c, s = opened_pair()
+    s.lend_exact = exact
+    sent = payloads(sizes)
+    data = wire(c, sent)
+    out: list[bytes] = []
+    landing: Landing | None = None
+    kernel = Kernel(s, data)
+    sink = s.message_sink
+    assert sink is not None
+    step = 0
+    while not kernel.done:
+        limit = reads[step % len(reads)]
+        act, size = acts[step % len(acts)] if acts else ("none", 0)
+        step += 1
+        if act == "offer" and landing is None and not sink:
+            landing = s.offer_landing(memoryview(bytearray(size)))
+        if lending:
+            events = kernel.read(limit)
+        else:
+            chunk = kernel.data[kernel.pos : kernel.pos + limit]
+            kernel.pos += len(chunk)
+            events = s.receive_data(chunk)
+        assert all(isinstance(e, Message) for e in events)
+        sink.extend(e.data for e in events)  # type: ignore[union-attr]
+        if landing is not None:
+            if act == "withdraw":  # the reader is cancelled now
+                back = s.withdraw_landing(landing)
+                if back is not None:
+                    out.append(back)
+                landing = None
+            elif landing.length >= 0:
+                out.append(bytes(landing.view[: landing.length]))
+                landing = None
+            elif sink:  # (the next message did not fit: it is in the sink, the reader leaves)
+                assert s.withdraw_landing(landing) is None
+                landing = None
+        out += taken(sink)
+    assert out == sent
+
+
+def test_long_messages_land_in_the_readers_buffer_with_no_copy() -> None:
+    """A reader waiting in ``receive_into`` with room: after the first long message (whose head
+    came in the read with its header), the kernel writes every payload byte straight into the
+    reader's buffer and only the 8-byte headers into the connection's; no spare buffer is made."""
+    c, s = opened_pair()
+    n, size = 8, 1 << 20
+    sent = payloads([size] * n)
+    kernel = Kernel(s, wire(c, sent))
+    user = bytearray(size + 100)
+    got: list[bytes] = []
+    for i in range(n):
+        before = dict(kernel.landed)
+        landing = s.offer_landing(memoryview(user))
+        assert landing is not None
+        while landing.length < 0:
+            assert kernel.read(256 * KiB) == []  # (socket reads of any size up to 256 KiB)
+        got.append(bytes(user[: landing.length]))
+        into_user = kernel.landed.get(id(user), 0) - before.get(id(user), 0)
+        if i:
+            assert into_user == size, f"message {i}: {size - into_user} payload bytes went elsewhere first"
+    assert got == sent
+    assert s.spares.made == 0
+    assert sum(kernel.landed.values()) == len(kernel.data)
+
+
+def test_long_messages_are_read_into_a_spare_buffer_and_copied_once() -> None:
+    """``receive()`` (no landing): the kernel writes a long message's payload into a spare
+    buffer, which goes back once the message's ``bytes`` are made (the one copy); after the first
+    message nothing new is made, the receive buffer is not replaced, and each message allocates
+    its result and nothing else of its size."""
+    c, s = opened_pair()
+    n, size = 12, 1 << 20
+    sent = payloads([size] * n)
+    kernel = Kernel(s, wire(c, sent))
+    rb_before = id(s._rb.buf)
+    sink = s.message_sink
+    assert sink is not None
+    got: list[bytes] = []
+    tracemalloc.start()
+    try:
+        for i in range(n):
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+            into_rb = kernel.landed.get(rb_before, 0)
+            while not sink:
+                assert kernel.read(256 * KiB) == []
+            got += taken(sink)
+            _, peak = tracemalloc.get_traced_memory()
+            if i:
+                # the result, and small things: no second buffer of the message's size
+                assert peak - base < size + 64 * KiB, f"message {i}: {peak - base} bytes allocated"
+                assert kernel.landed.get(rb_before, 0) - into_rb == 8, "only the header is read into the receive buffer"
+    finally:
+        tracemalloc.stop()
+    assert got == sent
+    assert s.spares.made == 1
+    assert id(s._rb.buf) == rb_before
+
+
+def test_a_reader_cancelled_midway_loses_nothing() -> None:
+    """A long message half read into a reader's buffer when the reader leaves: the rest goes on
+    into a spare buffer, the message arrives whole in the sink, and the reader's buffer is not
+    written again."""
+    c, s = opened_pair()
+    sent = payloads([600 * KiB, 10])
+    kernel = Kernel(s, wire(c, sent))
+    user = bytearray(1 << 20)
+    landing = s.offer_landing(memoryview(user))
+    assert landing is not None
+    kernel.read(100 * KiB)
+    kernel.read(100 * KiB)
+    assert landing.length < 0
+    assert s.withdraw_landing(landing) is None
+    snapshot = bytes(user)
+    while not kernel.done:
+        kernel.read(64 * KiB)
+    assert bytes(user) == snapshot
+    assert taken(s.message_sink) == sent
+
+
+def test_a_message_that_landed_goes_back_first_when_its_reader_leaves() -> None:
+    c, s = opened_pair()
+    sent = payloads([100, 200])
+    kernel = Kernel(s, wire(c, sent))
+    landing = s.offer_landing(memoryview(bytearray(1000)))
+    assert landing is not None
+    kernel.read()
+    assert landing.length == 100
+    assert s.withdraw_landing(landing) == sent[0]
+    assert taken(s.message_sink) == sent[1:]
+
+
+def test_a_landing_too_small_leaves_the_message_in_the_sink() -> None:
+    c, s = opened_pair()
+    sent = payloads([300 * KiB, 5])
+    kernel = Kernel(s, wire(c, sent))
+    landing = s.offer_landing(memoryview(bytearray(1000)))
+    assert landing is not None
+    while not kernel.done:
+        kernel.read(64 * KiB)
+    assert landing.length == -1
+    assert s.withdraw_landing(landing) is None
+    assert taken(s.message_sink) == sent
+
+
+def test_a_reader_that_comes_midway_takes_over_the_rest() -> None:
+    """A long message half read into a spare buffer when a reader comes with its buffer: what is
+    in moves once, the rest is read straight into the reader's buffer, the spare goes back."""
+    c, s = opened_pair()
+    sent = payloads([700 * KiB])
+    kernel = Kernel(s, wire(c, sent))
+    kernel.read(100 * KiB)
+    user = bytearray(1 << 20)
+    landing = s.offer_landing(memoryview(user))
+    assert landing is not None and s.spares.held
+    while not kernel.done:
+        kernel.read(64 * KiB)
+    assert landing.length == len(sent[0]) and user[: landing.length] == sent[0]
+    assert kernel.landed[id(user)] == len(kernel.data) - 100 * KiB
+    assert s.message_sink is not None and not s.message_sink
+
+
+def test_a_message_parked_in_its_spare_is_copied_once_into_the_readers_buffer() -> None:
+    """A long message that completed with no reader waiting stays in its spare buffer: a reader
+    that then comes with ``receive_into`` copies it once (no ``bytes`` made in between)."""
+    c, s = opened_pair()
+    sent = payloads([500 * KiB, 600 * KiB])
+    kernel = Kernel(s, wire(c, sent))
+    while not kernel.done:
+        kernel.read(128 * KiB)
+    sink = s.message_sink
+    assert sink is not None and [type(m) for m in sink] == [SpareMessage, SpareMessage]
+    assert sink.nbytes == sum(map(len, sent))
+    user = bytearray(1 << 20)
+    got = []
+    for item in list(sink):
+        assert isinstance(item, SpareMessage)
+        n = item.copy_into(memoryview(user))
+        got.append(bytes(user[:n]))
+    assert got == sent
+    assert s.spares.held >= 1 << 20  # (both spares went back)
+
+
+def test_eof_in_a_long_message_is_an_error_and_gives_the_spare_back() -> None:
+    c, s = opened_pair()
+    data = wire(c, payloads([512 * KiB]))
+    kernel = Kernel(s, data[: 300 * KiB])
+    while not kernel.done:
+        kernel.read()
+    with pytest.raises(aiordma.RemoteProtocolError, match="middle of a frame"):
+        s.receive_eof()
+    assert s.spares.held == 512 * KiB  # (back in the free list)
+
+
+# -- end to end: the sender in its own process ------------------------------------------------------
+
+SENDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aiordma
+
+    async def main(port, n, size):
+        ch = await aiordma.connect_channel("127.0.0.1", port, transport="tcp", max_message_size=4 << 20)
+        for i in range(n):
+            await ch.send(bytes([i & 0xFF]) * size)
+        await ch.receive()
+        await ch.aclose()
+
+    asyncio.run(main(*map(int, sys.argv[1:])))
+    """
+)
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["receive_into", "receive"])
+async def test_a_receiver_allocates_no_buffer_per_message_end_to_end(anyio_backend: Any, into: bool) -> None:
+    """1 MiB messages from another process: ``receive_into`` allocates nothing of the message's
+    size per message, ``receive()`` only its result (before issue 33, two buffers of it each)."""
+    n, size = 24, 1 << 20
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=4 << 20)
+    peaks: list[int] = []
+    ok: list[bool] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            buf = bytearray(size)
+            tracemalloc.start()
+            try:
+                for i in range(n):
+                    tracemalloc.reset_peak()
+                    base, _ = tracemalloc.get_traced_memory()
+                    if into:
+                        got = await ch.receive_into(buf)
+                        ok.append(got == size and buf[0] == buf[-1] == i & 0xFF)
+                    else:
+                        msg = await ch.receive()
+                        ok.append(len(msg) == size and msg[0] == msg[-1] == i & 0xFF)
+                        del msg
+                    peaks.append(tracemalloc.get_traced_memory()[1] - base)
+            finally:
+                tracemalloc.stop()
+            await ch.send(b"done")
+
+    proc = subprocess.Popen([sys.executable, "-c", SENDER, str(listener.port), str(n), str(size)], cwd=os.getcwd())
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                async def serve_one() -> None:
+                    await listener.serve(handle)
+
+                tg.start_soon(serve_one)
+                while len(peaks) < n or proc.poll() is None:
+                    await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+    finally:
+        await listener.aclose()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == 0
+    assert all(ok) and len(ok) == n
+    steady = sorted(peaks[2:])[-3]  # (the third largest after warm-up: a GC pass may add to one)
+    bound = 128 * KiB if into else size + 128 * KiB
+    assert steady < bound, f"{steady} bytes allocated per message (bound {bound}); all: {peaks}"
