@@ -28,6 +28,8 @@ __all__ = ["StreamLink", "SocketWriter", "wrap_tls"]
 log = logging.getLogger("aiordma")
 
 _IDLE, _KERNEL = State.IDLE, State.KERNEL
+#: the most buffers one sendmsg takes (Linux's UIO_MAXIOV is 1024)
+_IOV_MAX = 512
 
 
 class SocketWriter(ByteStream):
@@ -313,8 +315,8 @@ class StreamLink(ControlLink):
         an error that says so; receiving goes on."""
         if self._send_error is not None:
             raise self._broken_send(self._send_error)
-        if len(chunks) > 1 and sum(len(c) for c in chunks) <= RECEIVE_SIZE:
-            chunks = [b"".join(chunks)]
+        if self._raw is None and len(chunks) > 1 and sum(len(c) for c in chunks) <= RECEIVE_SIZE:
+            chunks = [b"".join(chunks)]  # (a stream's send per chunk: one TLS record, not two)
         try:
             async with self._send_lock:
                 if self._send_error is not None:  # (a sender before us was cut)
@@ -354,24 +356,30 @@ class StreamLink(ControlLink):
         byte left (a frame is never cut), else only the first ``queued`` chunks (the outbox's)."""
         sock = self._raw
         await anyio.lowlevel.checkpoint()  # (a send always yields, also when the socket takes it all)
+        # one gathered write (sendmsg) for all of them: header and payload, never joined
+        views = [memoryview(c).cast("B") if type(c) is not bytes else memoryview(c) for c in chunks]
         index = 0
-        view = memoryview(b"")
         started = False
         try:
-            for index, chunk in enumerate(chunks):
-                view = memoryview(chunk).cast("B")
-                while view:
-                    try:
-                        sent = sock.send(view)
-                    except (BlockingIOError, InterruptedError):
-                        await self._wait_writable(sock)
-                        continue
-                    started = True
-                    view = view[sent:]
+            while index < len(views):
+                try:
+                    sent = sock.sendmsg(views[index : index + _IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    await self._wait_writable(sock)
+                    continue
+                started = True
+                while sent:
+                    n = views[index].nbytes
+                    if sent < n:
+                        views[index] = views[index][sent:]
+                        break
+                    sent -= n
+                    index += 1
+                while index < len(views) and not views[index].nbytes:
+                    index += 1
         except anyio.get_cancelled_exc_class():
             if started:
-                rest = [bytes(view)] if view else []
-                self._outbox[0:0] = rest + [bytes(c) for c in chunks[index + 1 :]]
+                self._outbox[0:0] = [bytes(v) for v in views[index:]]
             else:
                 self._outbox[0:0] = list(chunks[:queued])
             raise
