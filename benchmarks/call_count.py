@@ -4,7 +4,7 @@ A noise-free figure (it does not depend on the machine or the boot): cProfile
 counts every call of a Python function (a coroutine resumption counts as a
 call) during N round trips of a 64-byte message on a channel, both ends in
 one event loop, and the script prints the count per round trip.  The
-simulated wire's own frames (``aiordma/testing/_simverbs.py``), and the calls
+simulated wire's own frames (``aiordma/testing/_sim*.py``), and the calls
 they make, are left out, and so is this script's own coroutine (the application):
 on a real device those are C (the verbs), like the kernel's socket code on
 TCP.  Builtin and C-method calls are printed apart.
@@ -27,7 +27,8 @@ import anyio
 
 from aiordma.testing import channel_pair
 
-SIM_FILE = "_simverbs.py"
+#: the simulated wire's modules (aiordma/testing/_sim*.py): the device, in C on real hardware
+SIM_PREFIX = "/aiordma/testing/_sim"
 SELF_FILE = "call_count.py"
 
 
@@ -64,7 +65,7 @@ def count(kind: str, loop: str, n: int) -> tuple[float, float, Counter[str]]:
     # calls made by the simulated wire (enum lookups, ipaddress, ...) are its cost, not ours -- and
     # so are the calls those make: a function counts as the wire's when every call of it came
     # from the wire or from another function of the wire's (a fixed point over the caller graph)
-    wire = {key for key in table if key[0].endswith(SIM_FILE)}
+    wire = {key for key in table if SIM_PREFIX in key[0]}
     changed = True
     while changed:
         changed = False

@@ -36,6 +36,8 @@ import anyio  # noqa: E402
 import aiordma  # noqa: E402
 
 LEN = struct.Struct("!I")
+#: asyncio's StreamReader limit (its default, 64 KiB, unless --streams-limit)
+_LIMIT = int(os.environ.get("CHANNEL_BENCH_STREAMS_LIMIT", str(1 << 16)))
 KINDS = ("asyncio-streams", "asyncio-streams-raw", "channel-receive", "channel-receive_into")
 
 
@@ -70,7 +72,7 @@ async def _asyncio_server(host: str) -> tuple[Any, int]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, host, 0)
+    server = await asyncio.start_server(handle, host, 0, limit=_LIMIT)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -194,7 +196,7 @@ class _Channel:
 
 async def _connect(kind: str, host: str, port: int) -> Any:
     if kind.startswith("asyncio-streams"):
-        return _Streams(*await asyncio.open_connection(host, port), raw=kind == "asyncio-streams-raw")
+        return _Streams(*await asyncio.open_connection(host, port, limit=_LIMIT), raw=kind == "asyncio-streams-raw")
     return _Channel(await aiordma.connect_channel(host, port, transport="tcp", max_message_size=64 << 20))
 
 
@@ -246,6 +248,7 @@ def main() -> None:
     p.add_argument("--round-trips", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--streams-limit", type=int, default=1 << 16, help="asyncio's StreamReader limit (default 64 KiB, its own)")
     p.add_argument("--serve")
     p.add_argument("--port-file")
     args = p.parse_args()
@@ -253,9 +256,10 @@ def main() -> None:
         _serve(args.serve, args.host, args.port_file, args.loop)
         return
     args.kinds = args.kinds.split(",")
+    os.environ["CHANNEL_BENCH_STREAMS_LIMIT"] = str(args.streams_limit)  # (the server processes read it)
     res = _run(args.loop, measure(args))
     base = res.get("asyncio-streams")
-    print(f"two processes, {args.loop}; {args.mib} MiB as {args.size}-byte messages; {args.round_trips} x 64 B round trips; "
+    print(f"two processes, {args.loop}; asyncio streams' limit {args.streams_limit}; {args.mib} MiB as {args.size}-byte messages; {args.round_trips} x 64 B round trips; "
           f"median of {args.rounds}")  # fmt: skip
     print(f"{'variant':24} {'MB/s':>8} {'x streams':>10} {'RTT us':>8} {'x streams':>10}")
     for kind, fig in res.items():
