@@ -27,8 +27,9 @@ channel a message is:
    ``SEPARATE``: it follows in messages of its own; ``RENDEZVOUS``: the same, and they go by
    rendezvous), then the bytes of the inline frames.  Small frames (up to ``INLINE_FRAME_MAX``, while the head stays
    within ``INLINE_MAX``) go inline: a small Dask message is one aiordma message.
-2. then every other frame, in order, in pieces: of ``TCP_PIECE`` (256 KiB) over TCP, where
-   aiordma's framing handles such messages fastest; over RDMA of ``RDMA_PIECE`` (8 MiB) or the
+2. then every other frame, in order, in pieces: of ``TCP_PIECE`` (4 MiB) over TCP, each read by
+   the socket straight into the frame's buffer and sent from Dask's own (paced sends, see
+   ``aiordma._tcp.asyncio_link``); over RDMA of ``RDMA_PIECE`` (8 MiB) or the
    link's rendezvous threshold (``RdmaConfig.rendezvous``) if larger, so that each piece is
    one rendezvous; never more than the peer's ``max_message_size``.  Empty frames send nothing.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +27,34 @@ from .window import WindowWatch, read_sample, set_user_timeout
 __all__ = ["AsyncioLink"]
 
 log = logging.getLogger("aiordma")
+
+
+#: a send larger than this writes its frames to the socket itself, this much at a time
+PACE = 256 << 10
+
+
+class _Pace:
+    """The frames of a paced send not handed to the kernel yet (views of the caller's buffers)."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self, rest: list[memoryview]) -> None:
+        self.rest = rest
+
+    def take(self, n: int) -> list[memoryview]:
+        """The next pieces, at most ``n`` bytes together (views: no copy)."""
+        rest = self.rest
+        out: list[memoryview] = []
+        while rest and n:
+            view = rest[0]
+            if view.nbytes <= n:
+                out.append(rest.pop(0))
+                n -= view.nbytes
+            else:
+                out.append(view[:n])
+                rest[0] = view[n:]
+                n = 0
+        return out
 
 
 class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
@@ -86,6 +115,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._window_timer: asyncio.TimerHandle | None = None
+        self._pace: _Pace | None = None  # a large send writing its frames itself (see _send_paced)
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -274,6 +304,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     def _half_close(self) -> None:
         """The peer's CLOSE came: it reads no more, and neither will we send; end our half (after
         what is queued), so that the peer's lingering close sees our FIN instead of waiting."""
+        if self._pace is not None:
+            self._flush_pace()
         writer = self.tcp_writer
         if self._eof_sent or writer is None or writer.is_closing():
             return
@@ -313,6 +345,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
 
     def _fail(self, exc: Exception) -> None:
         """The peer broke the protocol: tell it why and hang up."""
+        if self._pace is not None:
+            self._flush_pace()
         writer = self.tcp_writer
         if writer is not None and not writer.is_closing():
             final = self.core.proto.close(CloseCode.PROTOCOL_ERROR, str(exc))
@@ -353,6 +387,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     def write_nowait(self, chunks: Sequence[Chunk]) -> None:
         """Queue ``chunks`` on the transport (see :func:`write_chunks`: nothing of a caller's
         mutable buffer is kept once this returns)."""
+        if self._pace is not None:
+            self._flush_pace()
         writer = self.tcp_writer
         if writer is None or writer.is_closing():
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
@@ -390,11 +426,87 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             self._drain_waiters.remove(fut)
 
     async def send(self, chunks: Sequence[Chunk]) -> None:
+        if len(chunks) > 1 and self.fd >= 0 and not self.paused_writing:
+            writer = self.tcp_writer
+            if (
+                writer is not None
+                and writer.get_write_buffer_size() == 0
+                and sum(len(c) for c in chunks) > PACE
+                and not writer.is_closing()
+            ):
+                await self._send_paced(writer, chunks)
+                return
         self.write_nowait(chunks)
         if self.paused_writing:
             await self.drain()
             if self.lost:
                 raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+
+    # -- large sends, paced: the caller's buffer goes to the kernel, not into the transport ------
+    #
+    # asyncio's transport copies what the kernel does not take at once into its own buffer (and
+    # uvloop's and 3.12's keep a reference, which write_chunks turns into a copy): a 64 MiB send
+    # was copied almost whole.  A send larger than PACE instead writes its frames to the socket
+    # itself (writev) piece by piece, each time the transport is empty (its limits are set to
+    # pause at any byte meanwhile), so that only what the kernel refuses of one piece is copied.
+    # The caller's buffer is the send's until it returns.  Frames stay whole: any other write
+    # meanwhile (another send, an answer, the close) first hands the rest of the paced frames to
+    # the transport (copied); so does a cancellation.
+
+    async def _send_paced(self, writer: asyncio.WriteTransport, chunks: Sequence[Chunk]) -> None:
+        try:
+            sent = os.writev(self.fd, chunks)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self.write_nowait(chunks)  # (the transport reports the connection's end itself)
+            return
+        if self._window_timer is None:
+            self.written()
+        rest: list[memoryview] = []
+        for chunk in chunks:
+            view = memoryview(chunk)
+            n = view.nbytes
+            if sent >= n:
+                sent -= n
+                continue
+            rest.append(view[sent:] if sent else view)
+            sent = 0
+        if not rest:
+            await self.core.checkpoint()  # (a send yields, also when the kernel took it all)
+            return
+        pace = self._pace = _Pace(rest)
+        limits = writer.get_write_buffer_limits()
+        writer.set_write_buffer_limits(high=0, low=0)  # (paused at any byte: resumed once empty)
+        try:
+            while self._pace is pace and pace.rest:
+                if self.lost:
+                    raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+                write_chunks(writer, pace.take(PACE), self.fd)  # (empty: writev, copy what is refused)
+                if self.paused_writing:
+                    await self.drain()
+                else:
+                    await self.core.checkpoint()
+        except BaseException:
+            if self._pace is pace:
+                self._flush_pace()  # (the frames stay whole: their rest goes, copied)
+            raise
+        finally:
+            if self._pace is pace:
+                self._pace = None
+            if not writer.is_closing():
+                writer.set_write_buffer_limits(high=limits[1], low=limits[0])
+        if self.lost:
+            raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+
+    def _flush_pace(self) -> None:
+        """Another write comes while a paced send is on: the rest of its frames go first (copied
+        into the transport); the send returns when it next wakes."""
+        pace, self._pace = self._pace, None
+        writer = self.tcp_writer
+        if pace is not None and pace.rest and writer is not None and not writer.is_closing():
+            writer.write(b"".join(pace.rest))
+            pace.rest.clear()
 
     def close_nowait(self, final: bytes) -> None:
         """Write ``final`` (our CLOSE) and start closing in order.
@@ -407,6 +519,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         A slow reader is waited for as long as its host is alive (the window watch judges).
         :meth:`wait_closed` waits for it.  Without a CLOSE (the peer closed first, or the
         connection failed) the transport just closes (it flushes first)."""
+        if self._pace is not None:
+            self._flush_pace()
         writer = self.tcp_writer
         if writer is not None and not writer.is_closing():
             if final:
@@ -437,6 +551,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._wake()
 
     def abort(self) -> None:
+        self._pace = None  # (nothing more goes out)
         if self.tcp_writer is not None:
             self.tcp_writer.abort()
         self._wake()

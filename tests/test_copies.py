@@ -1,4 +1,4 @@
-"""Where received bytes land, and what they cost (issue 33, item 1).
+"""Where received and sent bytes go, and what they cost (issue 33, item 1).
 
 The sans-IO connection reads long messages into their own destination -- a waiting reader's
 buffer (a *landing*) or a spare buffer -- straight from the socket.  These tests play the kernel:
@@ -10,7 +10,9 @@ they write the peer's bytes into the views ``get_buffer`` lends, and so see wher
   waiting reader's buffer (no copy after the kernel's), or into a spare buffer from which
   ``receive()`` makes its ``bytes`` (one copy); no allocation grows with the number of messages;
 * end to end, the sender in another process: ``receive_into`` allocates nothing per message and
-  ``receive()`` only its result, under asyncio, uvloop and trio.
+  ``receive()`` only its result, under asyncio, uvloop and trio;
+* a large send to a reader that is late keeps no copy of the caller's buffer beyond one piece
+  (asyncio's transport used to copy all the kernel did not take at once).
 """
 
 from __future__ import annotations
@@ -379,3 +381,67 @@ async def test_a_receiver_allocates_no_buffer_per_message_end_to_end(anyio_backe
     steady = sorted(peaks[2:])[-3]  # (the third largest after warm-up: a GC pass may add to one)
     bound = 128 * KiB if into else size + 128 * KiB
     assert steady < bound, f"{steady} bytes allocated per message (bound {bound}); all: {peaks}"
+
+
+READER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import aiordma
+
+    async def main(port, size):
+        ch = await aiordma.connect_channel("127.0.0.1", port, transport="tcp", max_message_size=64 << 20)
+        await ch.send(b"go")
+        time.sleep(0.5)  # (late: the sender's kernel buffers fill meanwhile)
+        buf = bytearray(size)
+        n = await ch.receive_into(buf)
+        ok = n == size and buf[0] == 7 and buf[-1] == 7
+        await ch.send(b"ok" if ok else b"bad")
+        await ch.receive()
+        await ch.aclose()
+
+    asyncio.run(main(*map(int, sys.argv[1:])))
+    """
+)
+
+
+async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(anyio_backend: Any) -> None:
+    """A 24 MiB message sent to a reader (in another process) that reads only half a second
+    later: the sender allocates at most about one piece (256 KiB) at a time for it; the rest goes
+    from the caller's buffer to the kernel as the reader takes it."""
+    size = 24 << 20
+    payload = bytearray(b"\x07") * size
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    result: list[Any] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            await ch.receive()
+            tracemalloc.start()
+            try:
+                base, _ = tracemalloc.get_traced_memory()
+                await ch.send(payload)
+                peak = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+            result.append(peak)
+            result.append(await ch.receive())
+            await ch.send(b"bye")
+
+    proc = subprocess.Popen([sys.executable, "-c", READER, str(listener.port), str(size)], cwd=os.getcwd())
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                async def serve_one() -> None:
+                    await listener.serve(handle)
+
+                tg.start_soon(serve_one)
+                while len(result) < 2 or proc.poll() is None:
+                    await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+    finally:
+        await listener.aclose()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and result[1] == b"ok"
+    assert result[0] < 2 << 20, f"the send allocated {result[0]} bytes for a {size}-byte message"
