@@ -34,17 +34,18 @@ sys.path.insert(0, str(HERE.parent))
 import anyio  # noqa: E402
 
 import aiordma  # noqa: E402
+import aiordma.asyncio  # noqa: E402
 
 LEN = struct.Struct("!I")
 #: asyncio's StreamReader limit (its default, 64 KiB, unless --streams-limit)
 _LIMIT = int(os.environ.get("CHANNEL_BENCH_STREAMS_LIMIT", str(1 << 16)))
-KINDS = ("asyncio-streams", "asyncio-streams-raw", "channel-receive", "channel-receive_into")
+KINDS = ("asyncio-streams", "asyncio-streams-raw", "aiordma-streams", "channel-receive", "channel-receive_into")
 
 
 # -- servers (in the child process) ---------------------------------------------------------------
 
 
-async def _asyncio_server(host: str) -> tuple[Any, int]:
+async def _asyncio_server(host: str, aiordma_streams: bool = False) -> tuple[Any, int]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -72,7 +73,10 @@ async def _asyncio_server(host: str) -> tuple[Any, int]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, host, 0, limit=_LIMIT)
+    if aiordma_streams:  # (aiordma.asyncio's drop-in for asyncio's streams, over TCP)
+        server = await aiordma.asyncio.start_server(handle, host, 0, transport="tcp", limit=_LIMIT)
+    else:
+        server = await asyncio.start_server(handle, host, 0, limit=_LIMIT)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -108,8 +112,8 @@ async def _channel_server(host: str, into: bool) -> tuple[Any, int]:
 
 def _serve(kind: str, host: str, port_file: str, loop: str) -> None:
     async def body() -> None:
-        if kind.startswith("asyncio-streams"):
-            _, port = await _asyncio_server(host)
+        if kind.startswith("asyncio-streams") or kind == "aiordma-streams":
+            _, port = await _asyncio_server(host, aiordma_streams=kind == "aiordma-streams")
         else:
             _, port = await _channel_server(host, into=kind == "channel-receive_into")
         Path(port_file).write_text(str(port))
@@ -195,6 +199,9 @@ class _Channel:
 
 
 async def _connect(kind: str, host: str, port: int) -> Any:
+    if kind == "aiordma-streams":
+        r, w = await aiordma.asyncio.open_connection(host, port, transport="tcp", limit=_LIMIT)
+        return _Streams(r, w, raw=False)
     if kind.startswith("asyncio-streams"):
         return _Streams(*await asyncio.open_connection(host, port, limit=_LIMIT), raw=kind == "asyncio-streams-raw")
     return _Channel(await aiordma.connect_channel(host, port, transport="tcp", max_message_size=64 << 20))
@@ -249,6 +256,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--streams-limit", type=int, default=1 << 16, help="asyncio's StreamReader limit (default 64 KiB, its own)")
+    p.add_argument("--json", metavar="FILE", help="also write the medians as JSON")
     p.add_argument("--serve")
     p.add_argument("--port-file")
     args = p.parse_args()
@@ -258,6 +266,11 @@ def main() -> None:
     args.kinds = args.kinds.split(",")
     os.environ["CHANNEL_BENCH_STREAMS_LIMIT"] = str(args.streams_limit)  # (the server processes read it)
     res = _run(args.loop, measure(args))
+    if args.json:
+        import json
+
+        med = {k: {"mbps": statistics.median(f["bulk"]), "rtt_us": statistics.median(f["rtt"])} for k, f in res.items()}
+        Path(args.json).write_text(json.dumps(med))
     base = res.get("asyncio-streams")
     print(f"two processes, {args.loop}; asyncio streams' limit {args.streams_limit}; {args.mib} MiB as {args.size}-byte messages; {args.round_trips} x 64 B round trips; "
           f"median of {args.rounds}")  # fmt: skip

@@ -114,6 +114,7 @@ async def main() -> None:
     parser.add_argument("--tasks", type=int, default=300, help="task round trips per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each measures every protocol)")
     parser.add_argument("--protocols", default="tcp,rdma")
+    parser.add_argument("--json", metavar="FILE", help="also write the medians as JSON")
     args = parser.parse_args()
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     results: dict[str, list[dict[str, Any]]] = {p: [] for p in protocols}
@@ -143,6 +144,11 @@ async def main() -> None:
             f"{protocol + '://':<10}{carried:<12}{m['scatter_mbs']:>14.0f}{m['gather_mbs']:>14.0f}"
             f"{m['rtt_ms']:>14.3f}{m['echo_ms']:>14.3f}"
         )
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(med, f)
     if "tcp" in med and "rdma" in med:
         t, r = med["tcp"], med["rdma"]
         print(

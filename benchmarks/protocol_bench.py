@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--loop", default="asyncio", help=argparse.SUPPRESS)
     p.add_argument("--port-file", help=argparse.SUPPRESS)
+    p.add_argument("--json", metavar="FILE", help="also write the medians (us) and ratios as JSON")
     args = p.parse_args()
     host = args.host
     if args.transport == "rdma" and host == "127.0.0.1":
@@ -156,6 +157,7 @@ def main() -> None:
         return
     print(f"64 B echo round trip, asyncio Protocols, median of {args.rounds} x {args.iters} (us); "
           f"aiordma over {args.transport}")  # fmt: skip
+    out: dict[str, dict[str, float]] = {}
     for loop_name in args.loops:
         for processes in args.processes:
             args.loop = loop_name
@@ -163,6 +165,11 @@ def main() -> None:
             a, b = statistics.median(res["asyncio"]), statistics.median(res["aiordma"])
             where = "one process" if processes == 1 else "two processes"
             print(f"  {loop_name:8} {where:14} asyncio TCP {a:7.1f}  aiordma {b:7.1f}  ratio {b / a:5.2f}")
+            out[f"{loop_name}/{processes}"] = {"asyncio_us": a, "aiordma_us": b, "ratio": b / a}
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

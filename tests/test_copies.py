@@ -26,13 +26,15 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiordma
 from aiordma._proto.protocol import Connection, Message, MessageSink, Mode
 from aiordma._proto.receiving import LONG_PEEK, MIN_RECV_ROOM, Landing, SpareBuffers, SpareMessage
 from aiordma._proto.states import Role
+
+from ._send_programs import run_program
 
 
 LIMIT = 1 << 20
@@ -445,3 +447,80 @@ async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(anyio_backend: A
         proc.wait()
     assert proc.returncode == 0 and result[1] == b"ok"
     assert result[0] < 2 << 20, f"the send allocated {result[0]} bytes for a {size}-byte message"
+
+
+def limit_writes(monkeypatch: pytest.MonkeyPatch, most: int = 300 * KiB) -> None:
+    """A kernel that takes at most ``most`` bytes per gathered write (asyncio's link writes with
+    ``os.writev``): every large send paces, and other writes come while a pace is on."""
+    real = os.writev
+
+    def limited(fd: int, buffers: Any) -> int:
+        out, left = [], most
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            if left <= 0:
+                break
+            out.append(view[:left])
+            left -= min(left, view.nbytes)
+        return real(fd, out)
+
+    monkeypatch.setattr(os, "writev", limited)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "memory"])
+@pytest.mark.parametrize("kernel", ["as is", "takes 300 KiB per write"])
+async def test_concurrent_large_sends_arrive_whole(
+    anyio_backend: Any, kind: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Senders of large and small messages at once (the example the property of
+    test_cancelled_sends found on CI): a paced send's frames are never cut by another send's.
+    A kernel that takes at most 300 KiB per gathered write makes every large send pace, and
+    another sender come while a pace is on with the transport empty (the case that was cut)."""
+    import hashlib
+
+    if kernel != "as is":
+        limit_writes(monkeypatch)
+
+    from aiordma.testing import channel_pair
+
+    def message(ident: int, size: int) -> bytes:
+        body = bytes([ident % 251]) * size
+        return ident.to_bytes(4, "big") + hashlib.sha256(body).digest() + body
+
+    programs = [[1 << 20, 3 << 20, 1 << 20, 8 << 20, 16], [16, 16, 1 << 20, 8 << 20], [2 << 20, 70000, 8 << 20, 16]]
+    got: list[int] = []
+    async with channel_pair(kind) as (client, server):  # type: ignore[arg-type]
+
+        async def sender(index: int, sizes: list[int]) -> None:
+            for n, size in enumerate(sizes):
+                await client.send(message(index * 100 + n, size))
+
+        async def reader() -> None:
+            for _ in range(sum(map(len, programs))):
+                msg = await server.receive()
+                ident = int.from_bytes(msg[:4], "big")
+                assert hashlib.sha256(msg[36:]).digest() == msg[4:36], f"message {ident} is not the one sent"
+                got.append(ident)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                for index, sizes in enumerate(programs):
+                    tg.start_soon(sender, index, sizes)
+    assert sorted(got) == sorted(i * 100 + n for i, sizes in enumerate(programs) for n in range(len(sizes)))
+
+
+@given(senders=st.lists(st.lists(st.tuples(st.sampled_from([16, 70000, 1 << 20, 3 << 20]),
+                                          st.one_of(st.none(), st.floats(0, 0.02))), min_size=1, max_size=4),
+                        min_size=1, max_size=3),
+       reader_delay=st.sampled_from([0.0, 0.02]))  # fmt: skip
+@settings(max_examples=int(os.environ.get("AIORDMA_HYPOTHESIS_EXAMPLES", "10")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+async def test_cancelled_paced_sends_never_deliver_a_message_that_was_not_sent(
+    anyio_backend: Any, senders: list[list[tuple[int, float | None]]], reader_delay: float, tlsdir: str
+) -> None:
+    """test_cancelled_sends' property over TCP with a kernel that takes 300 KiB per write: every
+    large send paces, and is cancelled, joined by others and closed in the middle of its pace."""
+    with pytest.MonkeyPatch.context() as mp:
+        limit_writes(mp)
+        await run_program("tcp", tlsdir, senders, reader_delay)

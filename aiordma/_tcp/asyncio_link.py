@@ -116,6 +116,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._window_sock: Any = None
         self._window_timer: asyncio.TimerHandle | None = None
         self._pace: _Pace | None = None  # a large send writing its frames itself (see _send_paced)
+        self._limits: tuple[int, int] | None = None  # the transport's write limits while sends pace
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -426,6 +427,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             self._drain_waiters.remove(fut)
 
     async def send(self, chunks: Sequence[Chunk]) -> None:
+        if self._pace is not None:
+            self._flush_pace()  # (another send's paced frames go first, whole)
         if len(chunks) > 1 and self.fd >= 0 and not self.paused_writing:
             writer = self.tcp_writer
             if (
@@ -476,7 +479,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             await self.core.checkpoint()  # (a send yields, also when the kernel took it all)
             return
         pace = self._pace = _Pace(rest)
-        limits = writer.get_write_buffer_limits()
+        if self._limits is None:  # (the transport's own, restored once no send paces)
+            self._limits = writer.get_write_buffer_limits()
         writer.set_write_buffer_limits(high=0, low=0)  # (paused at any byte: resumed once empty)
         try:
             while self._pace is pace and pace.rest:
@@ -494,8 +498,11 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         finally:
             if self._pace is pace:
                 self._pace = None
-            if not writer.is_closing():
-                writer.set_write_buffer_limits(high=limits[1], low=limits[0])
+            limits = self._limits
+            if self._pace is None and limits is not None:  # (no other send paces now)
+                self._limits = None
+                if not writer.is_closing():
+                    writer.set_write_buffer_limits(high=limits[1], low=limits[0])
         if self.lost:
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
 
