@@ -316,6 +316,25 @@ def test_eof_in_a_long_message_is_an_error_and_gives_the_spare_back() -> None:
 
 # -- end to end: the sender in its own process ------------------------------------------------------
 
+async def serve_a_peer_process(listener: Any, handle: Any, argv: list[str], done: Any) -> int:
+    """Serve ``listener`` with ``handle`` while a peer runs in its own process (``python -c``
+    with ``argv``), until ``done()`` and the process ended; its exit code."""
+    proc = subprocess.Popen([sys.executable, "-c", *argv], cwd=os.getcwd())
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, handle)
+                while not done() or proc.poll() is None:
+                    await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+    finally:
+        await listener.aclose()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 SENDER = textwrap.dedent(
     """
     import asyncio, sys
@@ -362,23 +381,9 @@ async def test_a_receiver_allocates_no_buffer_per_message_end_to_end(anyio_backe
                 tracemalloc.stop()
             await ch.send(b"done")
 
-    proc = subprocess.Popen([sys.executable, "-c", SENDER, str(listener.port), str(n), str(size)], cwd=os.getcwd())
-    try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                async def serve_one() -> None:
-                    await listener.serve(handle)
-
-                tg.start_soon(serve_one)
-                while len(peaks) < n or proc.poll() is None:
-                    await anyio.sleep(0.05)
-                tg.cancel_scope.cancel()
-    finally:
-        await listener.aclose()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == 0
+    returncode = await serve_a_peer_process(listener, handle, [SENDER, str(listener.port), str(n), str(size)],
+                                            lambda: len(peaks) >= n)  # fmt: skip
+    assert returncode == 0
     assert all(ok) and len(ok) == n
     steady = sorted(peaks[2:])[-3]  # (the third largest after warm-up: a GC pass may add to one)
     bound = 128 * KiB if into else size + 128 * KiB
@@ -429,23 +434,9 @@ async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(anyio_backend: A
             result.append(await ch.receive())
             await ch.send(b"bye")
 
-    proc = subprocess.Popen([sys.executable, "-c", READER, str(listener.port), str(size)], cwd=os.getcwd())
-    try:
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                async def serve_one() -> None:
-                    await listener.serve(handle)
-
-                tg.start_soon(serve_one)
-                while len(result) < 2 or proc.poll() is None:
-                    await anyio.sleep(0.05)
-                tg.cancel_scope.cancel()
-    finally:
-        await listener.aclose()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == 0 and result[1] == b"ok"
+    returncode = await serve_a_peer_process(listener, handle, [READER, str(listener.port), str(size)],
+                                            lambda: len(result) >= 2)  # fmt: skip
+    assert returncode == 0 and result[1] == b"ok"
     assert result[0] < 2 << 20, f"the send allocated {result[0]} bytes for a {size}-byte message"
 
 

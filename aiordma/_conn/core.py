@@ -302,29 +302,16 @@ class Core:
             else:
                 self.control.append(ev)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Bytes from the peer (pull links); protocol errors become the Core's error."""
+    def feed(self, data: bytes | bytearray | memoryview | int) -> None:
+        """Bytes from the peer (pull links); protocol errors become the Core's error.  An ``int``:
+        that many bytes were read into the view the protocol lent (``get_buffer``), no copy."""
         try:
-            events = self.proto.receive_data(data)
+            events = self.proto.buffer_updated(data) if data.__class__ is int else self.proto.receive_data(data)  # type: ignore[arg-type]
         except (ProtocolError, HandshakeError) as exc:
             self.on_events(exc.pending_events)
             self.on_error(exc)
         else:
             if events:  # (data and messages went to the sinks)
-                self.on_events(events)
-        if self.closed:
-            self.discard()
-
-    def feed_lent(self, nbytes: int) -> None:
-        """``nbytes`` from the peer, read into the view the protocol lent (``get_buffer``): as
-        :meth:`feed`, without a copy."""
-        try:
-            events = self.proto.buffer_updated(nbytes)
-        except (ProtocolError, HandshakeError) as exc:
-            self.on_events(exc.pending_events)
-            self.on_error(exc)
-        else:
-            if events:
                 self.on_events(events)
         if self.closed:
             self.discard()

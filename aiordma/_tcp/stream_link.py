@@ -165,10 +165,7 @@ class StreamLink(ControlLink):
                 self.ended = True
                 core.feed_eof(exc)
             else:
-                if isinstance(data, int):
-                    core.feed_lent(data)
-                else:
-                    core.feed(data)
+                core.feed(data)
                 if self._outbox:
                     await self._flush_outbox()
                 if core.peer_close is not None and not self._eof_sent and not core.closed:
@@ -233,7 +230,7 @@ class StreamLink(ControlLink):
 
     async def _pull(self) -> bytes | int:
         """Read what the peer sent: on a plain TCP socket straight into the protocol's buffer
-        (``get_buffer``; returns the count, for ``Core.feed_lent``), so that a long message lands
+        (``get_buffer``; returns the count, for ``Core.feed``), so that a long message lands
         where its reader wants it with no copy in between; else ``bytes`` from the stream.
 
         As trio's own ``receive``: a cancel point before the read, none after it (what was read
