@@ -646,7 +646,7 @@ class Connection:
                     rb.shrink()
                 return []
             rb.start = pos
-        return self._parse()
+        return self._parse(lent=True)
 
     def _land(self, view: memoryview, pos: int, end: int) -> int:
         """The message fast path with a landing: the first frame, if it is a whole MESSAGE that
@@ -721,7 +721,7 @@ class Connection:
         if take == nbytes:
             return events
         rb.start, rb.end = take, nbytes
-        return events + self._parse()
+        return events + self._parse(lent=True)
 
     def _drop_long(self) -> None:
         long = self._long
@@ -792,9 +792,6 @@ class Connection:
                     msink.nbytes += length
                 if pos == n:
                     return []
-                if n - pos > LONG_PEEK:
-                    # (a long message begins, most likely: its payload goes to its destination)
-                    return self._receive_lending(view[pos:])
                 rb.reserve(n - pos)
                 rb.buf[0 : n - pos] = view[pos:]
             finally:
@@ -824,8 +821,6 @@ class Connection:
             rb.start = 0
             rb.end = n - pos
             return self._parse()
-        if self._landing is not None or self.mode is _M_MESSAGES and n >= LONG_PEEK:
-            return self._receive_lending(data)
         rb.reserve(n)
         rb.buf[rb.end : rb.end + n] = data
         rb.end += n
@@ -908,7 +903,9 @@ class Connection:
         self._fail(err)
         raise err
 
-    def _parse(self) -> list[Event]:
+    def _parse(self, lent: bool = False) -> list[Event]:
+        """The general parser, over the receive buffer.  ``lent``: the bytes came through
+        :meth:`get_buffer` (only then may a long frame be lent to the socket)."""
         self._check_alive()
         events: list[Event] = []
         if self.paused:
@@ -958,7 +955,8 @@ class Connection:
                     )
                 if end - pos < _HEADER_SIZE + length:
                     if (
-                        ftype == _T_MESSAGE
+                        lent
+                        and ftype == _T_MESSAGE
                         and self.state is _S_OPEN
                         and self.recv_half is _H_OPEN
                         and self.mode is _M_MESSAGES
