@@ -414,7 +414,10 @@ READER = textwrap.dedent(
 async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(anyio_backend: Any) -> None:
     """A 24 MiB message sent to a reader (in another process) that reads only half a second
     later: the sender allocates at most about one piece (256 KiB) at a time for it; the rest goes
-    from the caller's buffer to the kernel as the reader takes it."""
+    from the caller's buffer to the kernel as the reader takes it.  Not on uvloop, whose
+    transport is not paced (see ``AsyncioLink.connection_made``): there it still copies."""
+    if anyio_backend[0] == "asyncio" and anyio_backend[1]:
+        pytest.skip("uvloop's transport is not paced: a large send is still copied into it")
     size = 24 << 20
     payload = bytearray(b"\x07") * size
     listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
