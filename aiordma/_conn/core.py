@@ -45,7 +45,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream
 
 from .._errors import AuthenticationError, BufferTooSmallError, HandshakeError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from .._io.backends import IOBackend, Watch, current_checkpoint
+from .._io.backends import IOBackend, Watch, current_checkpoint, send_points
 from .._proto.onesided import STREAM_RENDEZVOUS_MAX, OneSided, Rendezvous
 from .._proto.protocol import (
     Chunk,
@@ -224,6 +224,8 @@ class Core:
         self.fallback_reason = ""
         #: a schedule point and cancel point of the running loop (asyncio.sleep(0) or trio's)
         self.checkpoint: Callable[[], Awaitable[None]] = current_checkpoint()
+        #: a send's cancel point and schedule point (see send_points)
+        self.before_send, self.after_send = send_points()
         #: one-sided memory (created on first use, see aiordma._proto.onesided)
         self._memory: OneSided | None = None
         #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
@@ -542,18 +544,22 @@ class Core:
         return -1
 
     async def send_data(self, data: bytes | bytearray | memoryview) -> None:
-        await self.checkpoint()  # a cancel point and a schedule point, before anything is sent
+        await self.before_send()  # a cancel point: a cancelled scope sends nothing
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
         if len(data) >= self.rndv_min:  # (a link that can stage it: rndv_min is set then)
             await self._send_rendezvous(self._nic(), data)
-            return
-        if self.proto.mode is Mode.MESSAGES:
-            chunks = self.proto.send_message(data)
         else:
-            chunks = self.proto.send_data(data)
-        if chunks:
-            await self.link.send(chunks)
+            if self.proto.mode is Mode.MESSAGES:
+                chunks = self.proto.send_message(data)
+            else:
+                chunks = self.proto.send_data(data)
+            if chunks:
+                await self.link.send(chunks)
+        # the schedule point comes after the bytes went, not before: an answer leaves in the same
+        # pass of the loop as the message it answers (a round trip's latency); a cancellation
+        # that arrives here is kept for the next await (a send that returns was sent)
+        await self.after_send()
 
     # -- rendezvous: large messages by RDMA READ (the NIC's: ``Core.nic``) --------------------------
 

@@ -21,7 +21,8 @@ that wait.  Each backend gives three things, in the spirit of httpcore's
   that does synchronous work before it parks (work that may itself wake the
   others -- parse what arrived, finish a READ) compares it before and after,
   and does not park if it changed (it would sleep through its own wake).
-* ``checkpoint()``: a schedule point and cancel point.
+* ``checkpoint()``: a schedule point and cancel point; :func:`send_points`: a send's pair
+  (a cancel point before it writes, a schedule point after), as trio's sockets have them.
 * timers: ``clock()`` is the loop's clock (seconds) and ``call_later(delay, callback)``
   calls ``callback()`` once, in the loop's thread, ``delay`` seconds from now, unless the
   returned watch is closed first (asyncio: ``loop.call_later``; trio: a system task that
@@ -36,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+import types
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol
 
 import sniffio
 
-__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "current_checkpoint", "Watch", "Parking"]
+__all__ = ["IOBackend", "AsyncioIO", "TrioIO", "current_io", "current_checkpoint", "send_points", "Watch", "Parking"]
 
 log = logging.getLogger("aiordma")
 
@@ -301,6 +303,54 @@ class TrioIO(IOBackend):
 
 
 _asyncio_checkpoint: Callable[[], Awaitable[None]] = functools.partial(asyncio.sleep, 0)  # (C: no frame of ours)
+
+
+@types.coroutine
+def _asyncio_before_send() -> Generator[None, None, None]:
+    """asyncio's cancel point before a send: it yields only when a cancellation was requested
+    and not taken back (``Task.cancelling()``), and the cancellation, if it is still due, is
+    delivered there, before anything is written.  Otherwise it costs no pass of the loop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        yield  # (a bare yield, as asyncio.sleep(0): the Task throws a due cancellation in here)
+
+
+@types.coroutine
+def _asyncio_after_send() -> Generator[None, None, None]:
+    """asyncio's schedule point after a send: the task runs again at the loop's next pass (a bare
+    yield, as ``asyncio.sleep(0)``), and a cancellation that arrives meanwhile is kept for the
+    task's next await instead of being raised here -- trio's ``cancel_shielded_checkpoint``.
+    The task's cancellation count stays as the canceller made it (``cancel`` then ``uncancel``):
+    ``asyncio.timeout`` and task groups still see one request, and the next send's cancel point
+    (:func:`_asyncio_before_send`) sees it and delivers it before writing."""
+    try:
+        yield
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None:  # (not driven by a Task: nothing to keep it for)
+            raise
+        task.cancel(exc.args[0] if exc.args else None)
+        task.uncancel()
+
+
+def send_points() -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
+    """A send's cancel point and schedule point for the running loop, as trio's sockets have
+    them.  ``before`` raises a cancellation that is already due, and yields only then; ``after``
+    yields once the bytes went, and a cancellation that arrives there is kept for the task's next
+    await.  So a send that finds room writes at once (no pass of the loop between a receive and
+    its answer: a round trip's latency), a send that returns was sent, and one whose task or
+    scope was cancelled before it wrote sent nothing.  (On asyncio a cancel scope of anyio's
+    that was cancelled while its task ran, and not yet delivered, is delivered at the next
+    suspension: the send's ``after``, so the send itself still goes and returns.)"""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = "asyncio"
+    if library == "trio":
+        import trio
+
+        return trio.lowlevel.checkpoint_if_cancelled, trio.lowlevel.cancel_shielded_checkpoint
+    return _asyncio_before_send, _asyncio_after_send
 
 
 def current_checkpoint() -> Callable[[], Awaitable[None]]:

@@ -44,7 +44,8 @@ class SocketWriter(ByteStream):
         self.wait_writable: Callable[[Any], Awaitable[None]] = anyio.wait_writable
 
     async def send(self, item: bytes) -> None:
-        await anyio.lowlevel.checkpoint()
+        # as trio's own socket sends: a cancel point before, a schedule point after the bytes went
+        await anyio.lowlevel.checkpoint_if_cancelled()
         view = memoryview(item).cast("B")
         sock = self.sock
         while view:
@@ -56,6 +57,7 @@ class SocketWriter(ByteStream):
             except OSError as exc:
                 raise BrokenResourceError(str(exc)) from exc
             view = view[sent:]
+        await anyio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         return await self.stream.receive(max_bytes)
@@ -351,8 +353,7 @@ class StreamLink(ControlLink):
         """Write ``chunks`` to the plain socket, non-blocking, waiting while it is full.  On
         cancellation, what did not leave goes back to the front of the outbox: all of it once a
         byte left (a frame is never cut), else only the first ``queued`` chunks (the outbox's)."""
-        sock = self._raw
-        await anyio.lowlevel.checkpoint()  # (a send always yields, also when the socket takes it all)
+        sock = self._raw  # (the send's schedule point is the Core's, after it: Core.send_data)
         # one gathered write (sendmsg) for all of them: header and payload, never joined
         views = [memoryview(c).cast("B") if type(c) is not bytes else memoryview(c) for c in chunks]
         index = 0

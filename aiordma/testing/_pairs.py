@@ -23,6 +23,7 @@ from .._api import Channel, Stream, connect, connect_channel, core_of, create_ch
 from .._conn.core import Core
 from .._tcp.links import StreamLink
 from .._handshake.negotiate import client_handshake, server_handshake
+from .._io.backends import send_points
 from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, Connection, Mode, Role
 from .._rdma.config import RdmaBackend
 from .._rdma.discovery import rdma_address
@@ -80,8 +81,17 @@ class MemoryByteStream(ByteStream):
         return data
 
     async def send(self, item: bytes) -> None:
+        # as a socket's send (trio's): a cancel point, the write at once when there is room, and
+        # a schedule point after it that a cancellation does not interrupt
+        before, after = send_points()
+        await before()
         try:
-            await self._send.send(bytes(item))
+            try:
+                self._send.send_nowait(bytes(item))
+            except anyio.WouldBlock:
+                await self._send.send(bytes(item))  # (waits for room: cancelled, nothing was sent)
+            else:
+                await after()
         except anyio.BrokenResourceError:
             if self._reset:
                 raise anyio.BrokenResourceError("the connection was reset by the peer") from _reset_error()
