@@ -131,8 +131,7 @@ class AiordmaTransport(asyncio.Transport):
             rbuf = core.rbuf
             if not rbuf:
                 return
-            data = bytes(rbuf)
-            rbuf.clear()
+            data = rbuf.take_chunk()  # (one read's bytes: its chunk, not copied again)
             self._now.consumed()
             self._delivering = True
             try:
@@ -181,18 +180,14 @@ class AiordmaTransport(asyncio.Transport):
                 n = len(rbuf)
                 buf = protocol.get_buffer(n)  # type: ignore[attr-defined]
                 with memoryview(buf) as out:
-                    size = out.nbytes
-                    if size == 0:
+                    if out.nbytes == 0:
                         raise RuntimeError("get_buffer() returned an empty buffer")
-                    take = min(n, size)
-                    with memoryview(rbuf) as src:
-                        out.cast("B")[:take] = src[:take]
-                del rbuf[:take]
+                    with out.cast("B") as flat:
+                        take = rbuf.copy_into(flat)
                 now.consumed()
                 protocol.buffer_updated(take)  # type: ignore[attr-defined]
             else:
-                data = bytes(rbuf)
-                rbuf.clear()
+                data = rbuf.take_chunk()
                 now.consumed()
                 protocol.data_received(data)  # type: ignore[attr-defined]
         if rbuf or self._closing or not self._reading:

@@ -98,14 +98,7 @@ class StreamReader:
         return True
 
     def _take(self, n: int) -> bytes:
-        rbuf = self._core.rbuf
-        if n >= len(rbuf):
-            data = bytes(rbuf)
-            rbuf.clear()
-        else:
-            with memoryview(rbuf) as view:
-                data = bytes(view[:n])  # one copy, not two
-            del rbuf[:n]
+        data = self._core.rbuf.take(n)  # (a chunk taken whole is not copied again)
         self._consumed()
         return data
 
@@ -127,13 +120,7 @@ class StreamReader:
             if core.error is not None:
                 raise _reset(core)
             await self._incoming()
-        if n >= len(rbuf):
-            data = bytes(rbuf)
-            rbuf.clear()
-        else:
-            with memoryview(rbuf) as view:
-                data = bytes(view[:n])
-            del rbuf[:n]
+        data = rbuf.take(n, some=True)  # (at most n: a full chunk alone, not copied again)
         self._consumed()
         return data
 
@@ -148,13 +135,7 @@ class StreamReader:
             if core.error is not None:
                 raise _reset(core)
             await self._incoming()
-        if have == n:
-            data = bytes(rbuf)
-            rbuf.clear()
-        else:
-            with memoryview(rbuf) as view:
-                data = bytes(view[:n])
-            del rbuf[:n]
+        data = rbuf.take(n)
         self._consumed()
         return data
 
@@ -188,7 +169,7 @@ class StreamReader:
         except asyncio.LimitOverrunError as exc:
             rbuf = self._core.rbuf
             if rbuf.startswith(b"\n", exc.consumed):
-                del rbuf[: exc.consumed + 1]
+                rbuf.drop(exc.consumed + 1)
             else:
                 rbuf.clear()
             self._consumed()

@@ -31,7 +31,15 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma._proto.protocol import Connection, Message, MessageSink, Mode
-from aiordma._proto.receiving import LONG_PEEK, MIN_RECV_ROOM, Landing, SpareBuffers, SpareMessage
+from aiordma._proto.receiving import (
+    LONG_PEEK,
+    MIN_RECV_ROOM,
+    STREAM_CHUNK,
+    Landing,
+    SpareBuffers,
+    SpareMessage,
+    StreamBuffer,
+)
 from aiordma._proto.states import Role
 
 from ._send_programs import run_program
@@ -315,6 +323,114 @@ def test_eof_in_a_long_message_is_an_error_and_gives_the_spare_back() -> None:
 
 
 # -- end to end: the sender in its own process ------------------------------------------------------
+
+# -- a byte stream's DATA ---------------------------------------------------------------------
+
+
+def opened_stream_pair() -> tuple[Connection, Connection]:
+    """A client and a server, open, in stream mode; the server has a stream buffer as its sink."""
+    c = Connection(Role.CLIENT, Mode.STREAM, now=0.0, max_message_size=LIMIT)
+    s = Connection(Role.SERVER, Mode.STREAM, now=0.0, max_message_size=LIMIT)
+    s.receive_data(c.send_hello())
+    c.receive_data(s.send_hello())
+    s.receive_data(c.select("tcp"))
+    s.data_sink = StreamBuffer()
+    return c, s
+
+
+def stream_wire(c: Connection, writes: list[bytes]) -> bytes:
+    return b"".join(b"".join(bytes(x) for x in c.send_data(w)) for w in writes)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.binary(max_size=300)),
+        st.tuples(st.just("add_view"), st.binary(max_size=300)),
+        st.tuples(st.just("add_parts"), st.lists(st.binary(max_size=STREAM_CHUNK // 2), max_size=4)),
+        st.tuples(st.just("take"), st.integers(0, 2 * STREAM_CHUNK)),
+        st.tuples(st.just("take_some"), st.integers(0, 2 * STREAM_CHUNK)),
+        st.tuples(st.just("take_chunk"), st.none()),
+        st.tuples(st.just("copy_into"), st.integers(1, 400)),
+        st.tuples(st.just("drop"), st.integers(0, 400)),
+        st.tuples(st.just("find"), st.tuples(st.binary(min_size=1, max_size=3), st.integers(0, 50))),
+        st.tuples(st.just("clear"), st.none()),
+    ),
+    max_size=30,
+)
+
+
+@given(ops=OPS)
+@settings(max_examples=300, deadline=None)
+def test_a_stream_buffer_hands_out_what_came_in_order(ops: list[tuple[str, Any]]) -> None:
+    """Any adds and takes: what comes out is what went in, in order, never more than asked for,
+    at least one byte when anything is held; searches see what is held (a bytearray model)."""
+    buf, model = StreamBuffer(), bytearray()
+    for op, arg in ops:
+        if op == "add":
+            buf += arg
+            model += arg
+        elif op == "add_view":
+            buf += memoryview(bytearray(arg))
+            model += arg
+        elif op == "add_parts":
+            if arg:
+                buf.add_parts([memoryview(a) for a in arg])
+                model += b"".join(arg)
+        elif op in ("take", "take_some"):
+            got = buf.take(arg, some=op == "take_some")
+            if op == "take" or not model:
+                assert got == model[:arg]
+            else:
+                assert 0 < len(got) <= arg or arg == 0
+                assert got == model[: len(got)]
+            del model[: len(got)]
+        elif op == "take_chunk":
+            got = buf.take_chunk()
+            assert bool(got) == bool(model) and got == model[: len(got)]
+            del model[: len(got)]
+        elif op == "copy_into":
+            out = bytearray(arg)
+            n = buf.copy_into(memoryview(out))
+            assert n == min(arg, len(model)) and out[:n] == model[:n]
+            del model[:n]
+        elif op == "drop":
+            buf.drop(arg)
+            del model[:arg]
+        elif op == "find":
+            sub, start = arg
+            assert buf.find(sub, start) == (model.find(sub, start) if len(model) >= len(sub) + start else -1)
+            assert buf.startswith(sub, start) == model.startswith(sub, start)
+        else:
+            buf.clear()
+            model.clear()
+        assert len(buf) == len(model) and bytes(buf) == model and bool(buf) == bool(model)
+
+
+@given(writes=st.lists(st.integers(0, 200 * KiB), min_size=1, max_size=6), reads=st.lists(st.integers(1, 300 * KiB), min_size=1))
+@settings(max_examples=100, deadline=None)
+def test_a_streams_bytes_are_copied_once_and_a_whole_chunk_is_handed_out_as_it_is(writes: list[int],
+                                                                                   reads: list[int]) -> None:  # fmt: skip
+    """DATA read in any cuts: each read's payloads become chunks of ``bytes`` (the one copy after
+    the kernel's), at most ``STREAM_CHUNK`` each; a reader that asks for a chunk's size or more
+    (``receive()``'s default) gets that very object -- no second copy -- and the bytes in order."""
+    c, s = opened_stream_pair()
+    sent = payloads(writes)
+    kernel = Kernel(s, stream_wire(c, sent))
+    sink = s.data_sink
+    assert sink is not None
+    got = bytearray()
+    i = 0
+    while not kernel.done:
+        assert kernel.read(reads[i % len(reads)]) == []
+        i += 1
+        chunks = list(sink._chunks)
+        assert all(type(ch) is bytes and 0 < len(ch) <= STREAM_CHUNK for ch in chunks)
+        for chunk in chunks:
+            taken = sink.take(STREAM_CHUNK, some=True)
+            assert taken is chunk, "a whole chunk was copied again"
+            got += taken
+    assert got == b"".join(sent) and not sink
+
 
 async def serve_a_peer_process(listener: Any, handle: Any, argv: list[str], done: Any) -> int:
     """Serve ``listener`` with ``handle`` while a peer runs in its own process (``python -c``

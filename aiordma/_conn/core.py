@@ -28,8 +28,10 @@ Link contract
   bound, then releases the link.  It is idempotent and safe under
   cancellation.
 
-Received DATA payloads go straight into ``Core.rbuf``: the Core makes it the
-protocol's ``data_sink``, so a link that feeds bytes (``feed``, or the
+Received DATA payloads go straight into ``Core.rbuf`` (a
+:class:`~aiordma._proto.receiving.StreamBuffer`: each read's payloads as one chunk
+of ``bytes``, handed out whole to a reader that takes all of it): the Core makes it
+the protocol's ``data_sink``, so a link that feeds bytes (``feed``, or the
 protocol's ``get_buffer``/``buffer_updated``) finds them in ``rbuf`` and gets
 no ``Data`` events for them.  ``rbuf`` is therefore never replaced, only
 changed in place.
@@ -61,7 +63,7 @@ from .._proto.protocol import (
     MessageSink,
     Mode,
 )
-from .._proto.receiving import SpareMessage
+from .._proto.receiving import SpareMessage, StreamBuffer
 
 __all__ = ["Core", "Link", "ControlLink", "NicOps", "NicRegion"]
 
@@ -210,7 +212,7 @@ class Core:
         self.proto = proto
         self.link = link
         #: received stream bytes; also the protocol's data sink (never replaced)
-        self.rbuf = bytearray()
+        self.rbuf = StreamBuffer()
         proto.data_sink = self.rbuf
         #: received messages; also the protocol's message sink (never replaced)
         self.messages = MessageSink()
@@ -412,13 +414,7 @@ class Core:
             if self.closed or self.peer_eof or self.error is not None:
                 await self.receive_ended()
             await self.link.incoming()
-        if len(rbuf) <= max_bytes:
-            data = bytes(rbuf)
-            rbuf.clear()
-        else:
-            with memoryview(rbuf) as view:
-                data = bytes(view[:max_bytes])  # one copy, not two
-            del rbuf[:max_bytes]
+        data = rbuf.take(max_bytes, some=True)  # (a chunk taken whole is not copied again)
         if self.link.needs_consumed:
             self.link.consumed()
         return data
@@ -462,10 +458,7 @@ class Core:
             if self.closed or self.peer_eof or self.error is not None:
                 await self.receive_ended()
             await self.link.incoming()
-        n = min(len(rbuf), view.nbytes)
-        with memoryview(rbuf) as mv:
-            view[:n] = mv[:n]
-        del rbuf[:n]
+        n = rbuf.copy_into(view)
         if self.link.needs_consumed:
             self.link.consumed()
         return n

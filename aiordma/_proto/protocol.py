@@ -51,6 +51,7 @@ from .receiving import (
     ReceiveBuffer,
     SpareBuffers,
     SpareMessage,
+    StreamBuffer,
 )
 from .states import HALF, HANDSHAKE, Half, HalfInput, Input, Role, State
 
@@ -169,10 +170,10 @@ class Connection:
     ``pending_events`` the events decoded from the same input before it:
     deliver those first, and nothing the peer sent correctly is lost.
 
-    Data sink: when ``data_sink`` is a ``bytearray`` (it is ``None`` by
-    default), the payloads of DATA frames are appended to it as they are
-    decoded instead of being returned as :class:`Data` events -- one copy and
-    one object fewer per frame.  Everything else (messages, EOF, CLOSE, the
+    Data sink: when ``data_sink`` is a :class:`StreamBuffer` (it is ``None`` by
+    default), the payloads of DATA frames are added to it as they are
+    decoded instead of being returned as :class:`Data` events -- a read's
+    payloads as one chunk, each byte copied once.  Everything else (messages, EOF, CLOSE, the
     handshake) still comes back as events, and the order between the two is
     the wire order within one call: the bytes appended during a call precede
     an :class:`EndOfStream` or :class:`ConnectionClosed` returned by it (a
@@ -244,7 +245,7 @@ class Connection:
         #: a byte stream's rendezvous is being fetched: bytes after it wait unparsed (see resume)
         self.paused = False
         #: where DATA payloads go instead of Data events (see the class docs)
-        self.data_sink: bytearray | None = None
+        self.data_sink: StreamBuffer | None = None
         #: where whole MESSAGE payloads go in message mode (no Message events for them)
         self.message_sink: MessageSink | None = None
 
@@ -611,6 +612,7 @@ class Connection:
                 pos = self._sink_frames(sink, view, pos, end)
             else:
                 limit = self.max_frame_size
+                parts: list[memoryview] = []
                 while end - pos >= _HEADER_SIZE:
                     word, length = _unpack_words(view, pos)
                     if word != _DATA_WORD or length > limit:
@@ -621,9 +623,11 @@ class Connection:
                         if pos > end:
                             self._data_left = pos - end
                             pos = end
-                        sink += view[first:pos]
+                        parts.append(view[first:pos])
                         break
-                    sink += view[first:pos]
+                    parts.append(view[first:pos])
+                if parts:
+                    sink.add_parts(parts)  # (one chunk for this read's payloads: one copy)
             if pos == end:
                 rb.start = rb.end = 0
                 if rb.size > RECV_BUFFER_SIZE:
@@ -845,8 +849,8 @@ class Connection:
                 raise
         return events
 
-    def _sink_frames(self, sink: bytearray, view: memoryview, pos: int, end: int) -> int:
-        """The fast path: append DATA payloads at ``view[pos:end]`` to ``sink``.
+    def _sink_frames(self, sink: StreamBuffer, view: memoryview, pos: int, end: int) -> int:
+        """The fast path: add DATA payloads at ``view[pos:end]`` to ``sink`` (as one chunk).
 
         Only called with state ``OPEN``, receive half ``OPEN`` and stream mode
         -- where the tables allow DATA; ``OPEN`` implies that the magic is
@@ -855,16 +859,17 @@ class Connection:
         first frame that is not a valid DATA frame (or an incomplete header)
         it stops and returns its position, and the general parser takes over
         from there and raises if need be.  A DATA frame cut by ``end`` is
-        appended as far as it goes (``_data_left`` keeps the rest).
+        added as far as it goes (``_data_left`` keeps the rest).
         ``buffer_updated`` has a copy of the loop inlined: keep the two alike.
         """
+        parts: list[memoryview] = []
         left = self._data_left
         if left:
             if end - pos <= left:
-                sink += view[pos:end]
+                sink.add_parts([view[pos:end]])
                 self._data_left = left - (end - pos)
                 return end
-            sink += view[pos : pos + left]
+            parts.append(view[pos : pos + left])
             pos += left
             self._data_left = 0
         limit = self.max_frame_size
@@ -878,9 +883,11 @@ class Connection:
                 if pos > end:
                     self._data_left = pos - end
                     pos = end
-                sink += view[first:pos]
+                parts.append(view[first:pos])
                 break
-            sink += view[first:pos]
+            parts.append(view[first:pos])
+        if parts:
+            sink.add_parts(parts)
         return pos
 
     def receive_eof(self) -> list[Event]:

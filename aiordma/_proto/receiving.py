@@ -8,6 +8,9 @@
 * a :class:`Landing` -- the buffer of a reader that waits in ``receive_into``, offered for the next
   message: that message goes into it and nowhere else.
 
+A byte stream's DATA goes to a :class:`StreamBuffer`: the payloads one read brought, copied once
+out of the receive buffer into one ``bytes``, handed out whole when a reader takes all of it.
+
 A long message that completes with no reader waiting stays in its spare buffer, in the message
 sink, as a :class:`SpareMessage`: the reader that comes for it copies it once, into ``bytes``
 (``receive()``) or into its buffer (``receive_into``), and the spare goes back.
@@ -41,6 +44,8 @@ __all__ = [
     "LongFrame",
     "SpareMessage",
     "MessageSink",
+    "StreamBuffer",
+    "STREAM_CHUNK",
     "SpareBuffers",
     "SPARES",
     "RECV_BUFFER_SIZE",
@@ -56,6 +61,9 @@ MIN_RECV_ROOM: Final = 64 << 10
 #: After a MESSAGE of at least this many bytes came as a long frame, the next read takes the next
 #: header alone (see the module docs): one system call more per long message, no read-ahead copy.
 LONG_PEEK: Final = 64 << 10
+#: A byte stream's received bytes are kept in chunks of at most this many (a reader that asks
+#: for this many, as anyio's ``receive()`` does by default, gets each chunk whole: no copy).
+STREAM_CHUNK: Final = 64 << 10
 #: Spare buffers come in powers of two from this size up.
 _SPARE_MIN: Final = 128 << 10
 
@@ -172,6 +180,213 @@ class MessageSink(deque[Union[bytes, SpareMessage]]):
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+
+
+class StreamBuffer:
+    """A byte stream's received bytes, not read yet: the chunks they arrived in, in order.
+
+    The protocol adds each read's DATA payloads as one chunk (``+=``: a ``bytes`` is kept as it
+    is, anything else copied once into ``bytes``), and readers take from the front.  A reader
+    that takes a whole chunk gets that very ``bytes`` object: a byte that came in a read and is
+    taken whole is copied once after the kernel's (into its chunk), where a ``bytearray`` in
+    between cost two (into it, then out of it).  Taking part of a chunk copies that part.
+    ``len()`` is the count of bytes held (kept, not summed)."""
+
+    __slots__ = ("_chunks", "_head", "nbytes")
+
+    def __init__(self) -> None:
+        self._chunks: deque[bytes | bytearray] = deque()
+        #: bytes of the first chunk already taken
+        self._head = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bool__(self) -> bool:
+        return self.nbytes != 0
+
+    def __iadd__(self, data: bytes | bytearray | memoryview) -> StreamBuffer:
+        """Add ``data`` (a flat byte view) after what is held: kept if it is ``bytes``, else copied
+        once (in chunks of at most :data:`STREAM_CHUNK`)."""
+        n = len(data)
+        if not n:
+            return self
+        if data.__class__ is bytes:
+            self._chunks.append(data)  # (bytes: checked above)
+            self.nbytes += n
+        else:
+            with memoryview(data) as view:
+                self.add_parts([view])
+        return self
+
+    def add_parts(self, parts: list[memoryview]) -> None:
+        """Add ``parts`` (flat byte views, one read's DATA payloads): each byte copied once, into
+        chunks of :data:`STREAM_CHUNK` bytes at most -- small payloads together, a large one cut."""
+        chunks = self._chunks
+        pending: list[memoryview] = []
+        size = 0
+        for part in parts:
+            n = part.nbytes
+            pos = 0
+            while pos < n:
+                take = min(n - pos, STREAM_CHUNK - size)
+                pending.append(part[pos : pos + take] if pos or take < n else part)
+                size += take
+                pos += take
+                if size == STREAM_CHUNK:
+                    chunks.append(pending[0].tobytes() if len(pending) == 1 else b"".join(pending))
+                    self.nbytes += size
+                    pending, size = [], 0
+        if size:
+            chunks.append(pending[0].tobytes() if len(pending) == 1 else b"".join(pending))
+            self.nbytes += size
+
+    def __bytes__(self) -> bytes:
+        """All that is held, without taking it (a copy)."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        with memoryview(chunks[0]) as first:
+            return b"".join([first[self._head :], *list(chunks)[1:]])
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._head = 0
+        self.nbytes = 0
+
+    def take(self, n: int, some: bool = False) -> bytes:
+        """Up to ``n`` bytes from the front (all there are, if fewer), as ``bytes``.  The first
+        chunk whole, when that is what is asked for, is handed out as it is (no copy).
+        ``some``: fewer will do (a stream's ``receive``): a full first chunk comes alone, whole,
+        rather than copied together with what follows it."""
+        chunks = self._chunks
+        if n <= 0 or not chunks:
+            return b""
+        first = chunks[0]
+        head = self._head
+        avail = len(first) - head
+        if n >= avail and (len(chunks) == 1 or n == avail):
+            chunks.popleft()
+            self._head = 0
+            self.nbytes -= avail
+            if head == 0 and first.__class__ is bytes:
+                return first  # (bytes: checked above)
+            with memoryview(first) as view:
+                return view[head:].tobytes()
+        if n < avail:
+            self._head = head + n
+            self.nbytes -= n
+            with memoryview(first) as view:
+                return view[head : head + n].tobytes()
+        if some and head == 0 and avail >= STREAM_CHUNK and first.__class__ is bytes:
+            chunks.popleft()  # a full chunk: whole, as it is (a stream's receive may return less)
+            self.nbytes -= avail
+            return first  # (bytes: checked above)
+        # more than the first chunk: gather up to n, one copy of each byte
+        parts: list[memoryview] = []
+        want = min(n, self.nbytes)
+        got = 0
+        while got < want:
+            chunk = chunks[0]
+            view = memoryview(chunk)[head:]
+            size = view.nbytes
+            if got + size <= want:
+                parts.append(view)
+                got += size
+                chunks.popleft()
+                head = 0
+            else:
+                part = want - got
+                parts.append(view[:part])
+                got = want
+                head += part
+        self._head = head
+        self.nbytes -= got
+        data = b"".join(parts)
+        for view in parts:
+            view.release()
+        return data
+
+    def take_chunk(self) -> bytes:
+        """The rest of the first chunk (whole, as it is, if none of it was taken): what one read
+        brought, for a reader that takes whatever there is (a Protocol's ``data_received``)."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        first = chunks.popleft()
+        head = self._head
+        self._head = 0
+        self.nbytes -= len(first) - head
+        if head == 0 and first.__class__ is bytes:
+            return first  # (bytes: checked above)
+        with memoryview(first) as view:
+            return view[head:].tobytes()
+
+    def copy_into(self, out: memoryview) -> int:
+        """Move up to ``len(out)`` bytes from the front into ``out`` (a flat writable byte view):
+        one copy.  Returns the count."""
+        chunks = self._chunks
+        room = out.nbytes
+        got = 0
+        head = self._head
+        while chunks and got < room:
+            chunk = chunks[0]
+            size = len(chunk) - head
+            part = min(size, room - got)
+            with memoryview(chunk) as view:
+                out[got : got + part] = view[head : head + part]
+            got += part
+            if part == size:
+                chunks.popleft()
+                head = 0
+            else:
+                head += part
+        self._head = head
+        self.nbytes -= got
+        return got
+
+    def drop(self, n: int) -> None:
+        """Discard ``n`` bytes from the front (at most all)."""
+        chunks = self._chunks
+        n = min(n, self.nbytes)
+        self.nbytes -= n
+        head = self._head
+        while n:
+            size = len(chunks[0]) - head
+            if n < size:
+                head += n
+                break
+            n -= size
+            chunks.popleft()
+            head = 0
+        self._head = head
+
+    def _joined(self) -> bytearray:
+        """The held bytes as one chunk, the first (a ``bytearray`` of ours, grown in place as
+        more come, so that a reader that searches as bytes arrive copies each byte once)."""
+        chunks = self._chunks
+        first = chunks[0]
+        if first.__class__ is not bytearray or self._head:
+            with memoryview(first) as view:
+                first = bytearray(view[self._head :])
+            chunks[0] = first
+            self._head = 0
+        while len(chunks) > 1:
+            first += chunks[1]
+            del chunks[1]
+        return first  # (made a bytearray above)
+
+    def find(self, sub: bytes, start: int = 0) -> int:
+        """The position of ``sub`` in what is held, from ``start``; -1 if it is not there."""
+        if self.nbytes < len(sub) + start:
+            return -1
+        return self._joined().find(sub, start)
+
+    def startswith(self, prefix: bytes, start: int = 0) -> bool:
+        if self.nbytes < len(prefix) + start:
+            return False
+        return self._joined().startswith(prefix, start)
 
 
 class SpareBuffers:
