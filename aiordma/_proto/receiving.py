@@ -223,6 +223,13 @@ class StreamBuffer:
     def add_parts(self, parts: list[memoryview]) -> None:
         """Add ``parts`` (flat byte views, one read's DATA payloads): each byte copied once, into
         chunks of :data:`STREAM_CHUNK` bytes at most -- small payloads together, a large one cut."""
+        if len(parts) == 1:
+            n = parts[0].nbytes
+            if n <= STREAM_CHUNK:  # (one frame's payload: the common case)
+                if n:
+                    self._chunks.append(parts[0].tobytes())
+                    self.nbytes += n
+                return
         chunks = self._chunks
         pending: list[memoryview] = []
         size = 0
