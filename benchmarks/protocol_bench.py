@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import aiordma.asyncio as aa  # noqa: E402
+from benchmarks._placement import pin, placement  # noqa: E402
 
 PAYLOAD = b"x" * 64
 
@@ -153,10 +154,12 @@ def main() -> None:
 
         host = rdma_address() or host
     if args.serve:
+        pin("server")
         run_loop(args.loop, server_process(args.serve, host, args.transport, args.port_file))
         return
+    pin("client")
     print(f"64 B echo round trip, asyncio Protocols, median of {args.rounds} x {args.iters} (us); "
-          f"aiordma over {args.transport}")  # fmt: skip
+          f"aiordma over {args.transport}; two processes pinned: {placement()}")  # fmt: skip
     out: dict[str, dict[str, float]] = {}
     for loop_name in args.loops:
         for processes in args.processes:

@@ -48,7 +48,10 @@ DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
 COALESCE_LIMIT: Final = 16 << 10
 
 CAP_RDMA: Final = 1 << 0
-KNOWN_CAPABILITIES: Final = CAP_RDMA
+#: A byte-stream endpoint that can hand the TCP connection over after the handshake: when both
+#: offer it and TCP is selected, the data flows unframed (see ``State.PASSED_THROUGH``).
+CAP_PASS_THROUGH: Final = 1 << 1
+KNOWN_CAPABILITIES: Final = CAP_RDMA | CAP_PASS_THROUGH
 
 EXT_RDMA_PARAMS: Final = 1
 EXT_NO_RDMA_REASON: Final = 2
@@ -115,6 +118,10 @@ class Hello:
     @property
     def can_rdma(self) -> bool:
         return bool(self.capabilities & CAP_RDMA)
+
+    @property
+    def can_pass_through(self) -> bool:
+        return bool(self.capabilities & CAP_PASS_THROUGH)
 
 
 # -- events -----------------------------------------------------------------

@@ -62,6 +62,7 @@ from .framing import (
     AUTH_PROOF_SIZE,
     AuthChallenged,
     Authenticated,
+    CAP_PASS_THROUGH,
     CAP_RDMA,
     CLOSE_FIXED,
     COALESCE_LIMIT,
@@ -130,6 +131,7 @@ __all__ = [
     "FrameType",
     "Mode",
     "CloseCode",
+    "CAP_PASS_THROUGH",
     "CAP_RDMA",
     "Hello",
     "HelloReceived",
@@ -409,6 +411,33 @@ class Connection:
         self.transport = transport
         self.transport_reason = reason
         self.handshake_deadline = None
+        if (
+            transport == "tcp"
+            and self.mode is Mode.STREAM
+            and self.local_hello is not None
+            and self.local_hello.can_pass_through
+            and self.peer_hello is not None
+            and self.peer_hello.can_pass_through
+        ):
+            self._step(Input.PASS_THROUGH, remote=False)
+
+    @property
+    def passed_through(self) -> bool:
+        """Both sides offered it and TCP was selected: the data flows unframed from the byte
+        after the SELECT on (the owner hands the TCP connection over; see :meth:`take_passed`)."""
+        return self.state is State.PASSED_THROUGH
+
+    def take_passed(self) -> bytes:
+        """Passed through: the data's first bytes, read after the SELECT and not parsed (and
+        nothing more is kept here)."""
+        if self.state is not State.PASSED_THROUGH:
+            raise LocalProtocolError(f"the connection did not pass through (state {self.state.value})")
+        rb = self._rb
+        data = bytes(rb.view[rb.start : rb.end])
+        rb.start = rb.end = 0
+        if rb.size > RECV_BUFFER_SIZE:
+            rb.shrink()
+        return data
 
     # -- sending -----------------------------------------------------------
 
@@ -489,7 +518,10 @@ class Connection:
         return frame(FrameType.EOF)
 
     def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> bytes:
-        """The CLOSE frame to send, or ``b""`` if a CLOSE already went either way."""
+        """The CLOSE frame to send, or ``b""`` if a CLOSE already went either way (or the
+        connection passed through: no frame may go any more)."""
+        if self.state is State.PASSED_THROUGH:
+            return b""
         if self.close_sent or self.close_received is not None:
             self.state = State.CLOSED
             return b""
@@ -892,8 +924,8 @@ class Connection:
 
     def receive_eof(self) -> list[Event]:
         """The byte transport from the peer ended (TCP FIN or connection loss)."""
-        if self.close_received is not None or self.close_sent:
-            return []
+        if self.close_received is not None or self.close_sent or self.state is State.PASSED_THROUGH:
+            return []  # (passed through: the data's end, the owner's to tell)
         self._check_alive()
         long = self._long
         pending = self._rb.end - self._rb.start or (long.length - long.got if long is not None else 0)
@@ -915,8 +947,8 @@ class Connection:
         :meth:`get_buffer` (only then may a long frame be lent to the socket)."""
         self._check_alive()
         events: list[Event] = []
-        if self.paused:
-            return events
+        if self.paused or self.state is State.PASSED_THROUGH:
+            return events  # (passed through: the bytes stay, unparsed, for take_passed)
         rb = self._rb
         view = rb.view
         sink = self.data_sink
@@ -988,8 +1020,8 @@ class Connection:
                 event = self._handle_frame(FrameType(ftype), payload)
                 if event is not None:
                     events.append(event)
-                if self.paused:
-                    break
+                if self.paused or self.passed_through:
+                    break  # (passed through: what follows the SELECT is data, unframed)
         except (RemoteProtocolError, HandshakeError) as err:
             if self._error is None:
                 self._fail(err)

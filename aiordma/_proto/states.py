@@ -3,7 +3,8 @@
 Two tables drive :class:`aiordma._proto.protocol.Connection`:
 
 * ``HANDSHAKE`` -- the connection as a whole, from the first byte to ``OPEN`` and
-  ``CLOSED``.  A client sends HELLO, reads the server's HELLO and then SELECTs
+  ``CLOSED`` (or ``PASSED_THROUGH``: a byte stream over TCP whose two ends offered to carry the
+  data unframed).  A client sends HELLO, reads the server's HELLO and then SELECTs
   the transport; a server reads HELLO, answers with its own and waits for the
   client's SELECT.  With a pre-shared key an AUTH exchange (challenge and proof
   each way) comes between the client's HELLO and the server's.
@@ -45,6 +46,10 @@ class State(enum.Enum):
     #: and is parsed (and dropped by the Core) until the peer's CLOSE or the end
     CLOSE_SENT = "close-sent"
     CLOSED = "closed"  # a CLOSE frame went one way or the other, or an error
+    #: both sides offered to pass the connection through and TCP was selected (a byte stream):
+    #: from the byte after the SELECT on, the data flows unframed, each way -- the protocol
+    #: parses and frames nothing more (what it read after the SELECT is the data's first bytes)
+    PASSED_THROUGH = "passed-through"
 
 
 class Input(enum.Enum):
@@ -59,6 +64,7 @@ class Input(enum.Enum):
     SEND_CLOSE = "send CLOSE"
     RECV_CLOSE = "receive CLOSE"
     FAIL = "fail"
+    PASS_THROUGH = "pass through"
 
 
 HANDSHAKE: Final[dict[tuple[Role, State, Input], State]] = {
@@ -79,11 +85,16 @@ HANDSHAKE: Final[dict[tuple[Role, State, Input], State]] = {
     (Role.SERVER, State.HELLO_RECEIVED, Input.SEND_AUTH): State.AUTH_SENT,
     (Role.SERVER, State.AUTH_SENT, Input.RECV_AUTH): State.AUTHENTICATED,
     (Role.SERVER, State.AUTHENTICATED, Input.SEND_HELLO): State.AWAIT_SELECT,
+    # right after the SELECT (sent or received) of TCP, when both HELLOs offered it
+    (Role.CLIENT, State.OPEN, Input.PASS_THROUGH): State.PASSED_THROUGH,
+    (Role.SERVER, State.OPEN, Input.PASS_THROUGH): State.PASSED_THROUGH,
 }
 # Either side may close (or fail) at any point, including in the middle of the
 # handshake: a server that refuses a client sends CLOSE instead of HELLO.
 for _role in Role:
     for _state in State:
+        if _state is State.PASSED_THROUGH:
+            continue  # (no frame comes or goes any more: a CLOSE cannot, and nothing can fail)
         if _state is not State.CLOSED:
             HANDSHAKE[(_role, _state, Input.SEND_CLOSE)] = State.CLOSED
             HANDSHAKE[(_role, _state, Input.RECV_CLOSE)] = State.CLOSED
