@@ -48,10 +48,10 @@ from typing import Any
 import anyio
 
 from ._conn.core import Core
-from ._conn.nowait import Nowait
+from ._conn.nowait import Nowait, PassedThrough
 from ._proto.protocol import Half, Mode
 
-__all__ = ["AiordmaTransport", "extra_info", "reset_error"]
+__all__ = ["AiordmaTransport", "PassedTransport", "extra_info", "reset_error"]
 
 log = logging.getLogger("aiordma")
 
@@ -426,3 +426,105 @@ class AiordmaTransport(asyncio.Transport):
     def __repr__(self) -> str:
         state = "closed" if self._lost_called else "closing" if self._closing else "open"
         return f"<aiordma.asyncio.Transport {self._core.transport} {state}>"
+
+
+class PassedTransport(asyncio.Transport):
+    """The TCP connection's own asyncio transport, once the connection passed through (both ends
+    offered it and TCP was selected: ``State.PASSED_THROUGH``): the user's protocol is called by
+    asyncio's (or uvloop's) transport itself, as ``loop.create_connection`` makes it, and its
+    writes are that transport's own (``write`` and ``writelines`` are its bound methods: no call
+    of ours on the way).  This object adds aiordma's ``get_extra_info`` names
+    (``"aiordma_passed_through"`` is True) and keeps the handover's order: ``connection_made``,
+    then the data's first bytes (read along with the handshake), then the peer's end if it came
+    meanwhile, and only then more from the socket.
+
+    The stream contract is TCP's, as with asyncio's transport: ``write_eof`` sends FIN (the
+    peer's ``eof_received``), ``close`` flushes then closes, ``abort`` resets (the peer's
+    ``connection_lost`` gets a ``ConnectionResetError``)."""
+
+    def __init__(self, core: Core, passed: PassedThrough) -> None:
+        super().__init__()
+        inner = passed.transport
+        self._inner = inner
+        self._core = core
+        self._now = Nowait(core)
+        self._user_paused = False
+        # the hot path: the TCP transport's own methods
+        self.write = inner.write  # type: ignore[method-assign]
+        self.writelines = inner.writelines  # type: ignore[method-assign]
+
+    def _start(self, protocol: asyncio.BaseProtocol, passed: PassedThrough) -> None:
+        protocol.connection_made(self)
+        first = passed.first
+        if first:
+            if isinstance(protocol, asyncio.BufferedProtocol):
+                view = memoryview(first)
+                while view.nbytes:
+                    with memoryview(protocol.get_buffer(view.nbytes)) as out:
+                        if out.nbytes == 0:
+                            raise RuntimeError("get_buffer() returned an empty buffer")
+                        take = min(out.nbytes, view.nbytes)
+                        out.cast("B")[:take] = view[:take]
+                    protocol.buffer_updated(take)
+                    view = view[take:]
+            else:
+                protocol.data_received(first)  # type: ignore[attr-defined]
+        if passed.lost:
+            protocol.connection_lost(passed.error)
+            return
+        if passed.eof:
+            if not protocol.eof_received():  # type: ignore[attr-defined]
+                self._inner.close()
+            return
+        if passed.reading_paused and not self._user_paused:
+            self._inner.resume_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "aiordma_passed_through":
+            return True
+        return extra_info(self._core, self._now, name, default)
+
+    def is_reading(self) -> bool:
+        return self._inner.is_reading()
+
+    def pause_reading(self) -> None:
+        self._user_paused = True
+        self._inner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._user_paused = False
+        self._inner.resume_reading()
+
+    def is_closing(self) -> bool:
+        return self._inner.is_closing()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def can_write_eof(self) -> bool:
+        return self._inner.can_write_eof()
+
+    def write_eof(self) -> None:
+        self._inner.write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._inner.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._inner.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._inner.set_write_buffer_limits(high, low)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._inner.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._inner.get_protocol()
+
+    def __repr__(self) -> str:
+        state = "closing" if self._inner.is_closing() else "open"
+        return f"<aiordma.asyncio transport tcp {state}, passed through: {self._inner!r}>"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -37,6 +38,7 @@ from ._handshake.limits import DEFAULT_MAX_HANDSHAKES
 from ._tcp.links import DEFAULT_KEEPALIVE
 from ._rdma.config import RdmaBackend
 from ._transport import AiordmaTransport as Transport
+from ._transport import PassedTransport
 from ._transport import extra_info
 from ._transport import reset_error as _reset
 from ._rdma.device import DeviceHold
@@ -321,14 +323,14 @@ class Server(asyncio.AbstractServer):
     """
 
     def __init__(self, acceptor: Acceptor, handle: Callable[[Core], Coroutine[Any, Any, None]], opts: Options,
-                 transports: set[Transport] | None = None) -> None:  # fmt: skip
+                 transports: weakref.WeakSet[asyncio.Transport] | None = None) -> None:  # fmt: skip
         self._acceptor = acceptor
         self._handle = handle
         self._opts = opts
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._devices = DeviceHold()
-        self._transports = transports if transports is not None else set()
+        self._transports = transports if transports is not None else weakref.WeakSet()
         self._serving: asyncio.Task[None] | None = None
         self._closed = False
         self._forever: asyncio.Future[None] | None = None
@@ -460,7 +462,7 @@ async def _listen(
     serve_one: Callable[[Core], Coroutine[Any, Any, None]],
     *,
     start_serving: bool,
-    transports: set[Transport] | None = None,
+    transports: weakref.WeakSet[asyncio.Transport] | None = None,
 ) -> Server:
     """A listening :class:`Server` whose admitted connections each get a task: the handshake,
     then ``serve_one(core)`` (the front end's part); a task's failure goes to the loop's
@@ -487,11 +489,18 @@ async def create_connection(
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
-) -> tuple[Transport, asyncio.BaseProtocol]:
+    pass_through: bool = True,
+) -> tuple[asyncio.Transport, asyncio.BaseProtocol]:
     """``loop.create_connection`` over aiordma: connect (TCP handshake, then RDMA if both sides
     can, see :func:`aiordma.connect`), call ``protocol_factory()`` and its ``connection_made``,
     and return ``(transport, protocol)``.  The peer is an aiordma byte-stream server
     (:func:`create_server`, :func:`start_server` or :func:`aiordma.create_listener`).
+
+    ``pass_through``: when the data goes over TCP (no RDMA, not TLS) and the server offers it too
+    (:func:`create_server` does), the TCP connection is handed to the protocol after the
+    handshake: asyncio's own transport calls it, with nothing of aiordma's in between
+    (``get_extra_info("aiordma_passed_through")``).  Otherwise the transport is aiordma's
+    :class:`Transport` (framed).
 
     Raises ``ConnectionRefusedError``/``OSError`` as asyncio does when TCP cannot connect,
     ``ConnectionResetError`` when the handshake failed, :class:`aiordma.RDMAUnavailableError`
@@ -499,13 +508,30 @@ async def create_connection(
     settings = ClientSettings.of(locals())
     core = await _open_stream(host, port, settings)
     protocol = protocol_factory()
-    tr = Transport(core, protocol, asyncio.get_running_loop())
+    tr = _transport_for(core, protocol, asyncio.get_running_loop())
+    return tr, protocol
+
+
+def _transport_for(core: Core, protocol: asyncio.BaseProtocol, loop: asyncio.AbstractEventLoop,
+                   on_lost: Callable[[Transport], None] | None = None) -> asyncio.Transport:  # fmt: skip
+    """The transport of an open connection, started (``connection_made`` called): the TCP
+    connection's own if it passed through, else aiordma's."""
+    passed = Nowait(core).pass_through(protocol)
+    if passed is not None:
+        ptr = PassedTransport(core, passed)
+        try:
+            ptr._start(protocol, passed)
+        except BaseException:
+            ptr.abort()
+            raise
+        return ptr
+    tr = Transport(core, protocol, loop, on_lost=on_lost)
     try:
         tr._start()
     except BaseException:
         tr.abort()
         raise
-    return tr, protocol
+    return tr
 
 
 async def create_server(
@@ -526,15 +552,18 @@ async def create_server(
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
+    pass_through: bool = True,
 ) -> Server:
     """``loop.create_server`` over aiordma: for each client, once its aiordma handshake completed,
-    ``protocol_factory()`` gets a :class:`Transport` (``connection_made``).  Returns a
+    ``protocol_factory()`` gets a transport (``connection_made``): the TCP connection's own when
+    it passed through (see :func:`create_connection`), else aiordma's :class:`Transport`.  Returns a
     :class:`Server` (an ``asyncio.AbstractServer``: ``async with``, ``serve_forever``, ``close``,
     ``wait_closed``, ``sockets``; ``close_clients``/``abort_clients`` close the transports).
     A client whose handshake fails never reaches the factory."""
     settings = ListenerSettings.of(locals())
     loop = asyncio.get_running_loop()
-    transports: set[Transport] = set()
+    # (weak: a transport that passed through is asyncio's, and ends without telling us)
+    transports: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()
 
     async def handshake(core: Core) -> None:
         try:
@@ -543,12 +572,11 @@ async def create_server(
             loop.call_exception_handler({"message": "the protocol factory failed", "exception": exc})
             await core.aclose()
             return
-        tr = Transport(core, protocol, loop, on_lost=transports.discard)
-        transports.add(tr)
         try:
-            tr._start()
+            tr = _transport_for(core, protocol, loop, on_lost=transports.discard)
         except Exception as exc:
-            loop.call_exception_handler({"message": "connection_made() failed", "exception": exc, "transport": tr})
-            tr.abort()
+            loop.call_exception_handler({"message": "connection_made() failed", "exception": exc})
+            return
+        transports.add(tr)
 
     return await _listen(settings, host, port, handshake, start_serving=start_serving, transports=transports)

@@ -36,7 +36,8 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
 
 
 KINDS = [
-    pytest.param("tcp", id="tcp"),
+    pytest.param("tcp", id="tcp"),  # (the Protocol API: passed through, asyncio's own transport)
+    pytest.param("tcp-framed", id="tcp-framed"),  # (pass_through=False: aiordma's Transport on TCP)
     pytest.param("sim", id="sim"),
     pytest.param("rdma", id="rdma", marks=pytest.mark.rdma),
 ]
@@ -59,7 +60,7 @@ class Net:
         self.providers: list[SimProvider] = []
 
     def _kw(self) -> dict[str, Any]:
-        if self.kind == "tcp":
+        if self.kind in ("tcp", "tcp-framed"):
             return {"transport": "tcp"}
         if self.kind == "sim":
             assert self.fabric is not None
@@ -71,12 +72,20 @@ class Net:
     async def server(self, factory: Callable[[], asyncio.BaseProtocol]) -> Any:
         if self.kind == "ref":
             return await asyncio.get_running_loop().create_server(factory, self.host, 0)
-        return await aa.create_server(factory, self.host, 0, **self._kw())
+        return await aa.create_server(factory, self.host, 0, **self._protocol_kw())
 
     async def connect(self, factory: Callable[[], asyncio.BaseProtocol], port: int) -> tuple[Any, Any]:
         if self.kind == "ref":
             return await asyncio.get_running_loop().create_connection(factory, self.host, port)
-        return await aa.create_connection(factory, self.host, port, **self._kw())
+        return await aa.create_connection(factory, self.host, port, **self._protocol_kw())
+
+    def _protocol_kw(self) -> dict[str, Any]:
+        """The Protocol API's (``create_server``, ``create_connection``): it passes through on TCP
+        unless told not to."""
+        kw = self._kw()
+        if self.kind == "tcp-framed":
+            kw["pass_through"] = False
+        return kw
 
     def live(self) -> dict[str, int]:
         total: dict[str, int] = {}

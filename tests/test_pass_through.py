@@ -96,3 +96,225 @@ def test_a_peer_that_knows_no_such_capability_ignores_the_bit() -> None:
     (event,) = s.receive_data(MAGIC + frame(FrameType.HELLO, payload))
     assert isinstance(event, HelloReceived)
     assert event.hello.capabilities == CAP_PASS_THROUGH
+
+
+# -- the asyncio front ends: the handover, as users and raw peers meet it -------------------------
+
+import asyncio  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from typing import Any  # noqa: E402
+
+import anyio  # noqa: E402
+
+import aiordma  # noqa: E402
+import aiordma.asyncio as aa  # noqa: E402
+from aiordma._transport import AiordmaTransport, PassedTransport  # noqa: E402
+
+from ._asyncio_net import anyio_backend  # noqa: E402,F401  (asyncio and uvloop)
+
+
+class Recorder(asyncio.Protocol):
+    """Records what asyncio's transport (or aiordma's) calls it with, in order."""
+
+    def __init__(self, greet: bytes = b"", echo: bool = False) -> None:
+        self.calls: list[Any] = []
+        self.data = bytearray()
+        self.greet, self.echo = greet, echo
+        self.changed = asyncio.Event()
+        self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.calls.append("made")
+        if self.greet:
+            transport.write(self.greet)  # (at once: the first thing this side sends)
+
+    def data_received(self, data: bytes) -> None:
+        self.calls.append("data")
+        self.data += data
+        if self.echo:
+            self.transport.write(data)
+        self.changed.set()
+
+    def eof_received(self) -> bool:
+        self.calls.append("eof")
+        self.changed.set()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.calls.append("lost")
+        if not self.lost.done():
+            self.lost.set_result(exc)
+        self.changed.set()
+
+    async def until(self, pred: Any, timeout: float = 10) -> None:
+        with anyio.fail_after(timeout):
+            while not pred():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+
+@pytest.mark.anyio
+async def test_both_ends_of_the_protocol_api_pass_through_and_greet_each_other_at_once(anyio_backend: Any) -> None:
+    """Each side writes in ``connection_made`` -- the server's greeting may reach the client's
+    socket before the client handed over: it is delivered first, once, in order."""
+    servers: list[Recorder] = []
+
+    def make() -> Recorder:
+        servers.append(Recorder(greet=b"hello from the server", echo=True))
+        return servers[-1]
+
+    server = await aa.create_server(make, "127.0.0.1", 0, transport="tcp")
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        tr, client = await aa.create_connection(lambda: Recorder(greet=b"hello from the client"), "127.0.0.1", port,
+                                                transport="tcp")  # fmt: skip
+        assert isinstance(client, Recorder)
+        assert isinstance(tr, PassedTransport) and tr.get_extra_info("aiordma_passed_through")
+        await client.until(lambda: bytes(client.data) == b"hello from the server" + b"hello from the client")
+        assert isinstance(servers[0].transport, PassedTransport)
+        assert bytes(servers[0].data) == b"hello from the client"
+        tr.write_eof()
+        await client.until(lambda: "lost" in client.calls)
+        assert client.calls[0] == "made" and client.calls[-2:] == ["eof", "lost"]
+        assert await client.lost is None
+        await servers[0].until(lambda: "lost" in servers[0].calls)
+        assert servers[0].calls[0] == "made" and servers[0].calls[-2:] == ["eof", "lost"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("eof", [False, True], ids=["more-later", "eof-at-once"])
+async def test_data_sent_along_with_the_select_reaches_the_protocol_first_and_whole(anyio_backend: Any,
+                                                                                    eof: bool) -> None:  # fmt: skip
+    """A raw client writes its SELECT and its first data in one write (and maybe its FIN): the
+    server's protocol gets ``connection_made``, then exactly those bytes, then the rest -- none
+    is parsed as a frame, none is lost, none comes twice."""
+    servers: list[Recorder] = []
+
+    def make() -> Recorder:
+        servers.append(Recorder())
+        return servers[-1]
+
+    first = MAGIC + frame(FrameType.CLOSE, b"\x00\x00not a close: data") + bytes(range(256)) * 40
+    server = await aa.create_server(make, "127.0.0.1", 0, transport="tcp")
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        c = Connection(Role.CLIENT, Mode.STREAM, now=0.0)
+        sock = socket.create_connection(("127.0.0.1", port))
+        try:
+
+            def raw_client() -> None:  # (blocking: in a thread, as another process would be)
+                sock.sendall(c.send_hello(capabilities=CAP_PASS_THROUGH))
+                sock.settimeout(10)
+                events: list[Any] = []
+                while not events:
+                    events = c.receive_data(sock.recv(65536))
+                assert isinstance(events[0], HelloReceived) and events[0].hello.can_pass_through
+                sock.sendall(c.select("tcp") + first)  # type: ignore[arg-type]
+                assert c.passed_through
+                if eof:
+                    sock.shutdown(socket.SHUT_WR)
+
+            await anyio.to_thread.run_sync(raw_client)
+            if not eof:
+                await anyio.sleep(0.05)
+                sock.sendall(b"and later")
+            while not servers:
+                await anyio.sleep(0.005)
+            rec = servers[0]
+            want = first if eof else first + b"and later"
+            await rec.until(lambda: len(rec.data) >= len(want) and (not eof or "eof" in rec.calls))
+            assert bytes(rec.data) == want
+            assert rec.calls[0] == "made"
+            if eof:
+                assert rec.calls[-2:] == ["eof", "lost"] or rec.calls[-1] == "eof"
+        finally:
+            sock.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("side", ["client", "server"])
+async def test_a_side_that_does_not_offer_it_gets_aiordmas_framed_transport(anyio_backend: Any, side: str) -> None:
+    """Negotiated: ``pass_through=False`` on either side, or a streams/anyio peer, keeps the
+    connection framed -- and it works as before."""
+    servers: list[Recorder] = []
+
+    def make() -> Recorder:
+        servers.append(Recorder(echo=True))
+        return servers[-1]
+
+    server = await aa.create_server(make, "127.0.0.1", 0, transport="tcp", pass_through=side != "server")
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        tr, client = await aa.create_connection(Recorder, "127.0.0.1", port, transport="tcp",
+                                                pass_through=side != "client")  # fmt: skip
+        assert isinstance(client, Recorder)
+        assert isinstance(tr, AiordmaTransport) and not tr.get_extra_info("aiordma_passed_through", False)
+        tr.write(b"framed")
+        await client.until(lambda: bytes(client.data) == b"framed")
+        tr.close()
+        await client.lost
+    # an anyio client (it never offers) against a server that does
+    server = await aa.create_server(make, "127.0.0.1", 0, transport="tcp")
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        async with await aiordma.connect("127.0.0.1", port, transport="tcp") as stream:
+            await stream.send(b"anyio")
+            assert await stream.receive() == b"anyio"
+        assert isinstance(servers[-1].transport, AiordmaTransport)
+
+
+PEER = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aiordma.asyncio as aa
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, t):
+            self.t = t
+            print("passed" if t.get_extra_info("aiordma_passed_through") else "framed", flush=True)
+        def data_received(self, d):
+            self.t.write(d)
+        def eof_received(self):
+            return False  # (close: after the echo of everything)
+
+    async def main():
+        server = await aa.create_server(Echo, "127.0.0.1", 0, transport="tcp")
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.anyio
+async def test_a_server_in_another_process_echoes_a_megabyte_and_the_end(anyio_backend: Any) -> None:
+    """Server and client in two processes, as users run them: both pass through, 1 MiB in pieces
+    of any size comes back whole and in order, then the client's EOF ends it in order."""
+    proc = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert proc.stdout is not None
+        port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
+        tr, client = await aa.create_connection(Recorder, "127.0.0.1", port, transport="tcp")
+        assert isinstance(client, Recorder) and tr.get_extra_info("aiordma_passed_through")
+        assert (await anyio.to_thread.run_sync(proc.stdout.readline)).strip() == "passed"
+        payload = os.urandom(1 << 20)
+        pos = 0
+        for size in [1, 7, 4096, 65536, 300_000] * 10:
+            tr.write(payload[pos : pos + size])
+            pos += size
+        tr.write(payload[pos:])
+        tr.write_eof()
+        await client.until(lambda: "lost" in client.calls, timeout=30)
+        assert bytes(client.data) == payload
+        assert client.calls[-2:] == ["eof", "lost"] and client.lost.result() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .._proto.protocol import Chunk
 from .core import Core
 
-__all__ = ["Nowait", "NowaitLink"]
+__all__ = ["Nowait", "NowaitLink", "PassThroughLink", "PassedThrough"]
 
 
 @runtime_checkable
@@ -86,6 +87,40 @@ class NowaitLink(Protocol):
     def set_callbacks(
         self, on_data: Callable[[], None] | None, on_write_paused: Callable[[bool], None] | None
     ) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PassedThrough:
+    """A connection handed over after it passed through (see :class:`PassThroughLink`)."""
+
+    #: the TCP connection's asyncio transport, now calling the new protocol itself
+    transport: asyncio.Transport
+    #: the data's first bytes, read before the handover: the new protocol's, before any other
+    first: bytes
+    #: the peer ended its side (EOF) before the handover
+    eof: bool
+    #: the connection was lost before the handover (and why: None for an orderly end)
+    lost: bool
+    error: Exception | None
+    #: the link paused reading until the handover: resume it once the protocol has the above
+    reading_paused: bool
+
+
+@runtime_checkable
+class PassThroughLink(Protocol):
+    """A TCP link that can hand its connection over after the handshake, when both sides offered
+    it and the protocol passed through (``Connection.passed_through``).
+
+    * ``can_pass_through``: a plain TCP socket under asyncio's (or uvloop's) transport (not TLS:
+      its transport is a layer of its own).
+    * ``pass_through(protocol)``: stop being the transport's protocol -- ``protocol`` is, from now
+      on -- and return what the link held (:class:`PassedThrough`).  The link and its Core are
+      done: nothing is framed, watched or closed through them any more."""
+
+    @property
+    def can_pass_through(self) -> bool: ...
+
+    def pass_through(self, protocol: asyncio.BaseProtocol) -> PassedThrough: ...
 
 
 class Nowait:
@@ -158,6 +193,16 @@ class Nowait:
         self, on_data: Callable[[], None] | None, on_write_paused: Callable[[bool], None] | None
     ) -> bool:
         return self._link.set_callbacks(on_data, on_write_paused)
+
+    # -- passing through ---------------------------------------------------------------------
+
+    def pass_through(self, protocol: asyncio.BaseProtocol) -> PassedThrough | None:
+        """The connection passed through (both sides offered it, TCP): hand it to ``protocol``
+        (see :class:`PassThroughLink`).  None when it did not: it stays framed."""
+        link = self._link
+        if not self.core.proto.passed_through or not isinstance(link, PassThroughLink):
+            return None
+        return link.pass_through(protocol)
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -35,10 +35,11 @@ import anyio
 from collections.abc import Callable
 
 from .._conn.core import ControlLink, Core
+from .._conn.nowait import PassThroughLink
 from .limits import ListenerBudget, ring_bytes
 from .._errors import AuthenticationError, HandshakeError, ProtocolError, RDMAUnavailableError
 from .._proto.protocol import (
-    CAP_RDMA, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, AuthChallenged, Authenticated, CloseCode,
+    CAP_PASS_THROUGH, CAP_RDMA, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_MESSAGE_SIZE, AuthChallenged, Authenticated, CloseCode,
     Connection, Event, HelloReceived, Mode, Role, TransportSelected,
 )  # fmt: skip
 from .._rdma.device import DeviceHold
@@ -182,6 +183,14 @@ def _open_endpoint(core: Core, backend: RdmaBackend | None, side: str) -> tuple[
         return None, f"{side}: {exc}"
 
 
+def _pass_through_cap(core: Core, pass_through: bool) -> int:
+    """``CAP_PASS_THROUGH`` when this side's front end asked for it and can take it: a byte
+    stream on a link that can hand its TCP connection over (see ``State.PASSED_THROUGH``)."""
+    link = core.link
+    ok = pass_through and core.proto.mode is Mode.STREAM and isinstance(link, PassThroughLink) and link.can_pass_through
+    return CAP_PASS_THROUGH if ok else 0
+
+
 def _peer_ip(core: Core) -> str | None:
     from .._rdma.link import peer_ip_of
 
@@ -195,10 +204,13 @@ async def client_handshake(
     tls: bool = False,
     backend: RdmaBackend | None = None,
     offer: LocalOffer | None = None,
+    pass_through: bool = False,
 ) -> None:
     """Run the client's half of the handshake; on return the connection is open.
 
     ``offer`` is what :func:`local_offer` decided before connecting (computed here if not given).
+    ``pass_through``: offer to carry a byte stream unframed if TCP is selected (the front end
+    then hands the TCP connection over: ``Nowait.pass_through``).
     """
     if offer is None:
         offer = local_offer(choice, "client", tls=tls, backend=backend)
@@ -212,8 +224,9 @@ async def client_handshake(
         await core.link.send(
             [
                 proto.send_hello(
-                    capabilities=CAP_RDMA if params is not None else 0, rdma_params=params, no_rdma_reason=reason
-                )
+                    capabilities=(CAP_RDMA if params is not None else 0) | _pass_through_cap(core, pass_through),
+                    rdma_params=params, no_rdma_reason=reason,
+                )  # fmt: skip
             ]
         )
         if proto.auth_key is not None:
@@ -250,7 +263,7 @@ async def client_handshake(
 
 async def server_handshake(
     core: Core, choice: TransportChoice, *, tls: bool = False, backend: RdmaBackend | None = None,
-    budget: ListenerBudget | None = None,
+    budget: ListenerBudget | None = None, pass_through: bool = False,
 ) -> None:
     """Run the server's half of the handshake; on return the connection is open.
 
@@ -299,8 +312,9 @@ async def server_handshake(
         await core.link.send(
             [
                 proto.send_hello(
-                    capabilities=CAP_RDMA if params is not None else 0, rdma_params=params, no_rdma_reason=reason
-                )
+                    capabilities=(CAP_RDMA if params is not None else 0) | _pass_through_cap(core, pass_through),
+                    rdma_params=params, no_rdma_reason=reason,
+                )  # fmt: skip
             ]
         )
         selected = await _next_control(core, TransportSelected)
@@ -339,6 +353,9 @@ class Options:
     budget: ListenerBudget | None = None
     #: the bound on noticing a dead peer host (seconds; None: the OS's TCP defaults)
     keepalive: float | None = DEFAULT_KEEPALIVE
+    #: offer to carry a byte stream on TCP unframed after the handshake (the asyncio front ends
+    #: that can hand the connection to the user's protocol: ``State.PASSED_THROUGH``)
+    pass_through: bool = False
 
     def protocol(self, role: Role, mode: Mode, now: float) -> Connection:
         return Connection(
@@ -407,7 +424,7 @@ async def accept_handshake(core: Core, opts: Options, hold: DeviceHold | None = 
     try:
         set_keepalive(core.link, opts.keepalive)
         await server_handshake(core, opts.transport, tls=opts.ssl is not None, backend=opts.backend,
-                               budget=opts.budget)  # fmt: skip
+                               budget=opts.budget, pass_through=opts.pass_through)  # fmt: skip
     except (HandshakeError, ProtocolError) as exc:
         core.on_error(exc)
         raise
@@ -424,7 +441,8 @@ async def open_client(host: str, port: int, mode: Mode, opts: Options) -> Core:
                                server_hostname=opts.server_hostname, keepalive=opts.keepalive)  # fmt: skip
     core = link.core
     try:
-        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer)
+        await client_handshake(core, opts.transport, tls=tls, backend=opts.backend, offer=offer,
+                               pass_through=opts.pass_through)  # fmt: skip
     except BaseException:
         await _discard(core)
         raise

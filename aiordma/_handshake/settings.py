@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ssl as _ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Self
 
 from .._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
@@ -48,13 +48,16 @@ class ClientSettings(_Settings):
     rdma_backend: RdmaBackend | None = None
     auth: str | bytes | bool | None = None
     keepalive: float | None = DEFAULT_KEEPALIVE
+    #: offer to hand a byte stream's TCP connection to the user's protocol after the handshake
+    #: (``aiordma.asyncio.create_connection``: see ``State.PASSED_THROUGH``)
+    pass_through: bool = False
 
     def options(self) -> Options:
         """Checked (``ValueError``: a setting out of range), as the handshake takes them."""
-        return make_options(
+        return replace(make_options(
             self.transport, self.ssl, self.server_hostname, self.max_message_size, self.handshake_timeout,
             server=False, backend=self.rdma_backend, auth=self.auth, keepalive=self.keepalive,
-        )  # fmt: skip
+        ), pass_through=self.pass_through)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,8 @@ class ListenerSettings(_Settings):
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT
     max_rdma_connections: int | None = None
     max_pinned_bytes: int | None = None
+    #: as :attr:`ClientSettings.pass_through` (``aiordma.asyncio.create_server``)
+    pass_through: bool = False
 
     def __post_init__(self) -> None:
         per_address = self.max_handshakes_per_address
@@ -85,11 +90,11 @@ class ListenerSettings(_Settings):
 
     def options(self) -> Options:
         """Checked, as the handshake takes them, with a budget of this listener's own."""
-        return make_options(
+        return replace(make_options(
             self.transport, self.ssl, None, self.max_message_size, self.handshake_timeout, server=True,
             backend=self.rdma_backend, auth=self.auth, keepalive=self.keepalive,
             budget=ListenerBudget(self.max_rdma_connections, self.max_pinned_bytes),
-        )  # fmt: skip
+        ), pass_through=self.pass_through)  # fmt: skip
 
 
 async def listen(host: str | None, port: int, mode: Mode, settings: ListenerSettings) -> tuple[Acceptor, Options]:

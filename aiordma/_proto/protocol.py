@@ -434,9 +434,12 @@ class Connection:
             raise LocalProtocolError(f"the connection did not pass through (state {self.state.value})")
         rb = self._rb
         data = bytes(rb.view[rb.start : rb.end])
-        rb.start = rb.end = 0
-        if rb.size > RECV_BUFFER_SIZE:
-            rb.shrink()
+        # the receive buffer goes (nothing is parsed any more): its memory back to the process
+        # at once -- also the allocator's cue that buffers of its size are in use (glibc raises
+        # its mmap threshold when a mapped chunk is freed; without it every 256 KiB read buffer
+        # of asyncio's transport was mapped and unmapped per read)
+        rb.view.release()
+        self._rb = ReceiveBuffer(0)
         return data
 
     # -- sending -----------------------------------------------------------

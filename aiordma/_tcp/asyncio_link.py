@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 from anyio import BrokenResourceError
 
 from .._conn.core import RECEIVE_HIGH_WATER, ControlLink, Core
-from .._conn.nowait import NowaitLink
+from .._conn.nowait import NowaitLink, PassedThrough
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
@@ -119,6 +119,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._window_timer: asyncio.TimerHandle | None = None
         self._pace: _Pace | None = None  # a large send writing its frames itself (see _send_paced)
         self._limits: tuple[int, int] | None = None  # the transport's write limits while sends pace
+        self._passed_eof = False  # passed through: the peer's EOF came before the handover
+        self._lost_error: Exception | None = None
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
         Core(proto, self)
@@ -170,6 +172,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
                 core.on_events(events)
                 if core.peer_close is not None:
                     self._half_close()
+                elif self._proto.passed_through and not self._paused_reading:
+                    self._pause_reading()  # (what comes is the data's: it waits in the kernel until the handover)
             if core.closed:
                 core.discard()  # (lingering after our CLOSE: what comes is dropped)
             # DATA went into core.rbuf without events: check the level every time
@@ -191,6 +195,9 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         if self._on_control is not None:
             self._control_ended()
             return False
+        if self._proto.passed_through:
+            self._passed_eof = True  # (the new protocol's, at the handover)
+            return True  # (the transport stays: the new protocol decides)
         core = self.core
         if not core.closed:
             core.feed_eof()
@@ -199,6 +206,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._lost_error = exc
         if self._linger is not None and exc is not None and self.core.peer_close is None and self._close_error is None:
             self._close_error = closing_failed(exc)  # (lingering: what we sent may not all be there)
         if self._window_timer is not None:
@@ -297,6 +305,29 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
                 fut.set_result(None)
 
     # -- internals -----------------------------------------------------------
+
+    @property
+    def can_pass_through(self) -> bool:
+        """A plain socket (not TLS): its transport can take another protocol after the handshake."""
+        return self.fd >= 0 and not self.lost
+
+    def pass_through(self, protocol: asyncio.BaseProtocol) -> PassedThrough:
+        """The connection passed through: ``protocol`` is the transport's from now on (see
+        :class:`~aiordma._conn.nowait.PassThroughLink`); this link and its Core are done."""
+        transport = self.tcp_writer
+        if transport is None or not self._proto.passed_through:
+            raise RuntimeError("the connection did not pass through")
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        self._window = self._window_sock = None
+        self.listener = self.write_listener = None
+        self._on_made = None
+        first = self._proto.take_passed()
+        self.core.closed = True  # (nothing reads or writes through the Core any more)
+        if not self.lost:
+            transport.set_protocol(protocol)
+        return PassedThrough(transport, first, self._passed_eof, self.lost, self._lost_error, self._paused_reading)
 
     def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
         # from now on the socket's bytes go to the RDMA link, not to the protocol object (they
