@@ -449,6 +449,8 @@ class PassedTransport(asyncio.Transport):
         self._core = core
         self._now = Nowait(core)
         self._user_paused = False
+        self._closing = False
+        self._passed = passed
         # the hot path: the TCP transport's own methods
         self.write = inner.write  # type: ignore[method-assign]
         self.writelines = inner.writelines  # type: ignore[method-assign]
@@ -474,7 +476,7 @@ class PassedTransport(asyncio.Transport):
             return
         if passed.eof:
             if not protocol.eof_received():  # type: ignore[attr-defined]
-                self._inner.close()
+                self.close()
             return
         if passed.reading_paused and not self._user_paused:
             self._inner.resume_reading()
@@ -496,12 +498,25 @@ class PassedTransport(asyncio.Transport):
         self._inner.resume_reading()
 
     def is_closing(self) -> bool:
-        return self._inner.is_closing()
+        return self._closing or self._inner.is_closing()
 
     def close(self) -> None:
-        self._inner.close()
+        """Close in order, as aiordma's framed transport does (``PassedThrough.close_in_order``):
+        a FIN after what was written, and ``connection_lost`` once the peer's kernel has it all --
+        not when the bytes reached ours (a socket closed before would reset a slow reader's
+        connection and drop what it had not taken)."""
+        if self._closing:
+            return
+        self._closing = True
+        self.write = self.writelines = self._dropped  # type: ignore[method-assign,assignment]
+        protocol = self._inner.get_protocol()
+        self._passed.close_in_order(protocol.connection_lost)
+
+    def _dropped(self, data: Any) -> None:
+        """A write after ``close()``: dropped, as asyncio drops it."""
 
     def abort(self) -> None:
+        self._closing = True
         self._inner.abort()
 
     def can_write_eof(self) -> bool:
@@ -526,5 +541,5 @@ class PassedTransport(asyncio.Transport):
         return self._inner.get_protocol()
 
     def __repr__(self) -> str:
-        state = "closing" if self._inner.is_closing() else "open"
+        state = "closing" if self.is_closing() else "open"
         return f"<aiordma.asyncio transport tcp {state}, passed through: {self._inner!r}>"

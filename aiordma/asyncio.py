@@ -75,6 +75,18 @@ class StreamReader:
         self._consumed = nowait.consumed
         self._limit = limit
 
+    @classmethod
+    def _passed_through(cls, core: Core, inner: asyncio.StreamReader) -> StreamReader:
+        """A reader whose connection passed through: asyncio's own reader (on the TCP
+        transport's own protocol) does the reading, its methods bound to this object -- no call
+        of ours per read."""
+        self = cls.__new__(cls)
+        self._core = core
+        self._limit = _DEFAULT_LIMIT
+        for name in ("read", "readexactly", "readuntil", "readline", "at_eof", "exception"):
+            setattr(self, name, getattr(inner, name))
+        return self
+
     def exception(self) -> BaseException | None:
         return self._core.error
 
@@ -190,11 +202,25 @@ class StreamReader:
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
+    #: the connection passed through: asyncio's own transport (see :meth:`_passed_through_writer`)
+    _passed: asyncio.BaseTransport | None = None
+
     def __init__(self, core: Core, reader: StreamReader) -> None:
         self._core = core
         self._now = Nowait(core)
         self._reader = reader
         self._proto = core.proto
+
+    @classmethod
+    def _passed_through(cls, core: Core, reader: StreamReader, inner: asyncio.StreamWriter) -> StreamWriter:
+        """A writer whose connection passed through: asyncio's own writer, its methods bound to
+        this object (``write`` goes to the TCP transport's own)."""
+        self = cls(core, reader)
+        self._passed = inner.transport
+        for name in ("write", "writelines", "drain", "can_write_eof", "write_eof", "close", "is_closing",
+                     "wait_closed", "get_extra_info"):  # fmt: skip
+            setattr(self, name, getattr(inner, name))
+        return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -263,7 +289,10 @@ class StreamWriter:
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:
-        """The TCP transport underneath (writing to it directly breaks the framing)."""
+        """The TCP transport underneath (writing to it directly breaks the framing, unless the
+        connection passed through: then it is the stream's own)."""
+        if self._passed is not None:
+            return self._passed
         return self._now.transport
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -274,6 +303,18 @@ class StreamWriter:
 
 
 def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
+    """The reader and writer of an open connection: aiordma's, or -- when it passed through (see
+    :func:`open_connection`) -- asyncio's own on the TCP transport, behind the same two types."""
+    if core.proto.passed_through:
+        loop = asyncio.get_running_loop()
+        inner = asyncio.StreamReader(limit=limit, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(inner, loop=loop)
+        passed = Nowait(core).pass_through(protocol)
+        if passed is not None:
+            transport = PassedTransport(core, passed)
+            transport._start(protocol, passed)
+            reader = StreamReader._passed_through(core, inner)
+            return reader, StreamWriter._passed_through(core, reader, asyncio.StreamWriter(transport, protocol, inner, loop))
     reader = StreamReader(core, limit)
     return reader, StreamWriter(core, reader)
 
@@ -299,11 +340,15 @@ async def open_connection(
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
+    pass_through: bool = True,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
     Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
-    ``readuntil``/``readline`` limit as in asyncio.
+    ``readuntil``/``readline`` limit as in asyncio.  ``pass_through``: as for
+    :func:`create_connection` -- when TCP carries the data and the server offers it too
+    (:func:`start_server`, :func:`create_server`), asyncio's own reader and writer do the work
+    on the TCP transport, behind these two objects.
     """
     settings = ClientSettings.of(locals())
     return _pair(await _open_stream(host, port, settings), limit)
@@ -431,9 +476,11 @@ async def start_server(
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
+    pass_through: bool = True,
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
-    runs (in a task) for each client once its handshake completed."""
+    runs (in a task) for each client once its handshake completed (``pass_through``: see
+    :func:`open_connection`)."""
     settings = ListenerSettings.of(locals())
     loop = asyncio.get_running_loop()
 

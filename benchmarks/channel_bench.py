@@ -35,6 +35,7 @@ import anyio  # noqa: E402
 
 import aiordma  # noqa: E402
 import aiordma.asyncio  # noqa: E402
+from benchmarks._placement import pin, placement  # noqa: E402
 
 LEN = struct.Struct("!I")
 #: asyncio's StreamReader limit (its default, 64 KiB, unless --streams-limit)
@@ -261,8 +262,10 @@ def main() -> None:
     p.add_argument("--port-file")
     args = p.parse_args()
     if args.serve:
+        pin("server")
         _serve(args.serve, args.host, args.port_file, args.loop)
         return
+    pin("client")
     args.kinds = args.kinds.split(",")
     os.environ["CHANNEL_BENCH_STREAMS_LIMIT"] = str(args.streams_limit)  # (the server processes read it)
     res = _run(args.loop, measure(args))
@@ -273,7 +276,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(med))
     base = res.get("asyncio-streams")
     print(f"two processes, {args.loop}; asyncio streams' limit {args.streams_limit}; {args.mib} MiB as {args.size}-byte messages; {args.round_trips} x 64 B round trips; "
-          f"median of {args.rounds}")  # fmt: skip
+          f"median of {args.rounds}; pinned: {placement()}")  # fmt: skip
     print(f"{'variant':24} {'MB/s':>8} {'x streams':>10} {'RTT us':>8} {'x streams':>10}")
     for kind, fig in res.items():
         mb, rt = statistics.median(fig["bulk"]), statistics.median(fig["rtt"])

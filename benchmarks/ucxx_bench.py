@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._placement import pin  # noqa: E402  (the same placement as the aiordma figures)
+
 os.environ.setdefault("UCX_TLS", "tcp")
 
 
@@ -111,8 +114,10 @@ def main() -> None:
     p.add_argument("--serve", metavar="PORT_FILE")
     args = p.parse_args()
     if args.serve:
+        pin("server")
         asyncio.run(_server(args.progress, args.serve, args.size))
         return
+    pin("client")
     port_file = f"/tmp/ucxx-bench-{os.getpid()}"
     server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--progress", args.progress,
                                "--size", str(args.size)])  # fmt: skip

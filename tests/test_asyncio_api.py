@@ -147,7 +147,7 @@ async def test_peer_breaking_the_protocol_is_a_connection_reset(anyio_backend: A
         await reader.read()
         writer.close()
 
-    async with server_and_client(vandal) as (reader, writer):
+    async with server_and_client(vandal, pass_through=False) as (reader, writer):  # (garbage in the framing)
         with pytest.raises(ConnectionResetError) as info:
             await reader.read(10)
         assert isinstance(info.value.__cause__, aiordma.RemoteProtocolError)
@@ -157,12 +157,16 @@ async def test_peer_breaking_the_protocol_is_a_connection_reset(anyio_backend: A
 
 
 async def test_peer_close_gives_eof_then_drain_fails(anyio_backend: Any) -> None:
+    """Framed: the peer's CLOSE says it reads no more, so the next drain fails at once.  (A
+    stream that passed through has TCP's semantics, as asyncio's own: the write goes to the
+    kernel and only the peer's reset, later, fails a drain.)"""
+
     async def closer(reader: StreamReader, writer: StreamWriter) -> None:
         writer.write(b"bye")
         writer.close()
         await writer.wait_closed()
 
-    async with server_and_client(closer) as (reader, writer):
+    async with server_and_client(closer, pass_through=False) as (reader, writer):
         assert await reader.read() == b"bye"
         writer.write(b"ignored, as asyncio does after a lost connection")
         with pytest.raises(ConnectionResetError):

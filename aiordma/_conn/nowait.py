@@ -104,6 +104,10 @@ class PassedThrough:
     error: Exception | None
     #: the link paused reading until the handover: resume it once the protocol has the above
     reading_paused: bool
+    #: close the connection in order, as a framed close lingers: our FIN after the data, what
+    #: comes dropped, the socket closed once the peer's kernel acknowledged everything (however
+    #: long a live peer takes), then ``done(error)`` -- None, or why the peer may not have it all
+    close_in_order: Callable[[Callable[[Exception | None], None]], None]
 
 
 @runtime_checkable

@@ -320,14 +320,26 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
+        sock, watch = self._window_sock, self._window
         self._window = self._window_sock = None
         self.listener = self.write_listener = None
         self._on_made = None
         first = self._proto.take_passed()
         self.core.closed = True  # (nothing reads or writes through the Core any more)
+        if sock is not None:
+            # no watch looks at the window any more: the user timeout must not end a connection
+            # whose reader only paused (keepalive probes still find a dead host while idle; with
+            # bytes unacknowledged TCP's retransmission timeout does, as for asyncio's transport)
+            set_user_timeout(sock, 0)
         if not self.lost:
             transport.set_protocol(protocol)
-        return PassedThrough(transport, first, self._passed_eof, self.lost, self._lost_error, self._paused_reading)
+        loop = self._loop
+
+        def close_in_order(done: Callable[[Exception | None], None]) -> None:
+            _ClosingInOrder(transport, sock, watch, loop, done).start()
+
+        return PassedThrough(transport, first, self._passed_eof, self.lost, self._lost_error, self._paused_reading,
+                             close_in_order)  # fmt: skip
 
     def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
         # from now on the socket's bytes go to the RDMA link, not to the protocol object (they
@@ -651,3 +663,77 @@ if TYPE_CHECKING:  # mypy holds the link to the interface asyncio's front ends u
 
     def _nowait(link: AsyncioLink) -> NowaitLink:
         return link
+
+
+class _ClosingInOrder(asyncio.Protocol):
+    """A passed-through connection's close, in order: the transport's protocol from the user's
+    ``close()`` on (see :class:`Linger`, and ``AsyncioLink.close_nowait`` for the framed close).
+
+    Our half ends after what is queued (``write_eof``: a FIN after the data); reading goes on and
+    what comes is dropped (a socket closed with unread bytes resets the connection, and the reset
+    drops what is in flight); the socket closes once the peer's kernel acknowledged every byte we
+    sent -- however long a live reader takes: the window watch, when the connection has one
+    (``keepalive``), tells a slow reader from a dead host.  Then ``done(error)``: None, or why
+    the peer may not have everything (its host was found dead, it reset the connection)."""
+
+    def __init__(self, transport: asyncio.Transport, sock: Any, watch: WindowWatch | None,
+                 loop: asyncio.AbstractEventLoop, done: Callable[[Exception | None], None]) -> None:  # fmt: skip
+        self._transport = transport
+        self._sock = sock
+        self._watch = watch
+        self._loop = loop
+        self._done: Callable[[Exception | None], None] | None = done
+        self._linger = Linger()
+        self._timer: asyncio.TimerHandle | None = None
+        self._error: Exception | None = None
+
+    def start(self) -> None:
+        transport = self._transport
+        transport.set_protocol(self)
+        if transport.is_closing() or not transport.can_write_eof() or self._sock is None:
+            transport.close()  # (nothing to linger on: asyncio's own close)
+            return
+        try:
+            transport.write_eof()
+            transport.resume_reading()
+        except (OSError, RuntimeError):  # (the connection is ending already)
+            transport.close()
+            return
+        self._timer = self._loop.call_later(self._linger.tick, self._look)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # (this side closed: what comes is dropped, as the framed close drops it)
+
+    def eof_received(self) -> bool:
+        return True  # (the peer's end: the linger still waits for its kernel's ACKs)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        done, self._done = self._done, None
+        if done is not None:
+            done(self._error or exc)
+
+    def _look(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport.is_closing():
+            return
+        outstanding = transport.get_write_buffer_size() + unacknowledged(self._sock)
+        if self._linger.look(outstanding):
+            transport.close()  # (all acknowledged: connection_lost follows)
+            return
+        watch = self._watch
+        if watch is not None:
+            watch.wrote()  # (bytes wait for the peer: the watch looks, if it rested)
+            step = watch.look(read_sample(self._sock), self._loop.time())
+            if step.user_timeout is not None:
+                set_user_timeout(self._sock, int(watch.budget * 1000) if step.user_timeout else 0)
+            if step.dead is not None:
+                log.info("aiordma: %s", step.dead)
+                self._error = step.dead
+                transport.abort()
+                return
+        self._timer = self._loop.call_later(self._linger.tick, self._look)
+
