@@ -340,15 +340,17 @@ async def open_connection(
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
-    pass_through: bool = True,
+    pass_through: bool = False,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
     Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
-    ``readuntil``/``readline`` limit as in asyncio.  ``pass_through``: as for
+    ``readuntil``/``readline`` limit as in asyncio.  ``pass_through=True``: as for
     :func:`create_connection` -- when TCP carries the data and the server offers it too
-    (:func:`start_server`, :func:`create_server`), asyncio's own reader and writer do the work
-    on the TCP transport, behind these two objects.
+    (``start_server(pass_through=True)``, :func:`create_server`), asyncio's own reader and writer
+    do the work on the TCP transport, behind these two objects: asyncio's round trip, and
+    asyncio's reader (two copies per byte, and its pause and resume at twice ``limit``: about a
+    sixth of aiordma's reader's MB/s for large reads here).  Off by default for that reason.
     """
     settings = ClientSettings.of(locals())
     return _pair(await _open_stream(host, port, settings), limit)
@@ -476,7 +478,7 @@ async def start_server(
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
-    pass_through: bool = True,
+    pass_through: bool = False,
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
     runs (in a task) for each client once its handshake completed (``pass_through``: see

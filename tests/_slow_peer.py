@@ -63,4 +63,11 @@ async def open_sender(api: str, port: int, ctx: Any, keepalive: float) -> Any:
         return await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp", keepalive=keepalive)
     import aiordma.asyncio as aio
 
-    return await aio.open_connection("127.0.0.1", port, ssl=ctx, transport="tcp", keepalive=keepalive)
+    return await aio.open_connection("127.0.0.1", port, ssl=ctx, transport="tcp", keepalive=keepalive,
+                                     pass_through=streams_pass_through())  # fmt: skip
+
+
+def streams_pass_through() -> bool:
+    """Whether the asyncio streams of these tests pass through (``AIORDMA_TEST_STREAMS_PASS_THROUGH``:
+    set by a test for itself and its peer process)."""
+    return os.environ.get("AIORDMA_TEST_STREAMS_PASS_THROUGH") == "1"

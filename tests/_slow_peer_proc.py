@@ -19,6 +19,7 @@ keepalive: the reader's side holds nothing for its peer, so its own watch has no
 from __future__ import annotations
 
 import asyncio
+import os
 import hashlib
 import json
 import sys
@@ -132,7 +133,8 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
         elif api == "asyncio":
             import aiordma.asyncio as aio
 
-            conn = await aio.open_connection("127.0.0.1", port, ssl=ctx, transport="tcp")
+            conn = await aio.open_connection("127.0.0.1", port, ssl=ctx, transport="tcp",
+                                             pass_through=os.environ.get("AIORDMA_TEST_STREAMS_PASS_THROUGH") == "1")
         else:
             import aiordma.asyncio as aio
 
@@ -159,7 +161,8 @@ async def main(api: str, role: str, port: int, tlsdir: str, pause: float, size: 
         import aiordma.asyncio as aio
 
         if api == "asyncio":
-            server = await aio.start_server(lambda r, w: handle((r, w)), "127.0.0.1", 0, ssl=ctx, transport="tcp")
+            server = await aio.start_server(lambda r, w: handle((r, w)), "127.0.0.1", 0, ssl=ctx, transport="tcp",
+                                            pass_through=os.environ.get("AIORDMA_TEST_STREAMS_PASS_THROUGH") == "1")
         else:
             handlers: set[asyncio.Task[None]] = set()  # (kept: the one connection's handler)
 

@@ -111,6 +111,18 @@ async def test_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any, api: s
     assert closed - connected >= PAUSE - 0.5, (closed - connected, waiting, result)
 
 
+async def test_a_passed_through_stream_close_waits_for_a_reader_that_pauses(
+    anyio_backend: Any, tlsdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with ``aiordma.asyncio``'s streams passed through (``pass_through=True`` at both
+    ends): asyncio's own close would close the socket once the bytes reached this side's kernel,
+    and the paused reader's tail went with a reset (this test's first run)."""
+    if loop_name(anyio_backend) == "trio":
+        pytest.skip("aiordma.asyncio runs on asyncio loops")
+    monkeypatch.setenv("AIORDMA_TEST_STREAMS_PASS_THROUGH", "1")
+    await test_a_close_waits_for_a_reader_that_pauses(anyio_backend, "asyncio", False, tlsdir)
+
+
 @pytest.mark.parametrize("api", ["channel", "stream"])
 async def test_a_producer_learns_of_the_peers_close_at_its_next_send(anyio_backend: Any, api: str) -> None:
     """The peer (listening, in its own process) reads 1 MiB and closes; this side only ever

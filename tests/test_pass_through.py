@@ -318,3 +318,63 @@ async def test_a_server_in_another_process_echoes_a_megabyte_and_the_end(anyio_b
     finally:
         proc.kill()
         proc.wait()
+
+
+READER = textwrap.dedent(
+    """
+    import asyncio, hashlib, sys, time
+    import aiordma.asyncio as aa
+
+    async def main(pause):
+        done = asyncio.Event()
+
+        async def handle(reader, writer):
+            print("passed" if writer.get_extra_info("aiordma_passed_through") else "framed", flush=True)
+            await asyncio.sleep(pause)  # (the kernel's buffers fill: the sender's close must wait)
+            data = await reader.read()
+            print(len(data), hashlib.sha256(data).hexdigest(), flush=True)
+            writer.close()
+            done.set()
+
+        server = await aa.start_server(handle, "127.0.0.1", 0, transport="tcp", pass_through=True, keepalive=1.0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await done.wait()
+
+    asyncio.run(main(float(sys.argv[1])))
+    """
+)
+
+
+@pytest.mark.anyio
+async def test_streams_pass_through_on_request_and_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any) -> None:
+    """``pass_through=True`` on both ends of the streams API: asyncio's own reader and writer.
+    The reader (another process) pauses 3 s -- longer than the keepalive budget -- before it
+    reads: the connection is not ended by the kernel's user timeout (the handover turns it off),
+    and ``close(); wait_closed()`` returns once the reader has every byte.  (The close's own
+    linger is test_close_delivery's passed-through case.)"""
+    import hashlib
+    import time
+
+    pause = 3.0
+    proc = subprocess.Popen([sys.executable, "-c", READER, str(pause)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
+        reader, writer = await aa.open_connection("127.0.0.1", port, transport="tcp", pass_through=True, keepalive=1.0)
+        assert writer.get_extra_info("aiordma_passed_through")
+        assert (await anyio.to_thread.run_sync(proc.stdout.readline)).strip() == "passed"
+        payload = os.urandom(48 << 20)  # (far more than the two kernels take while the reader pauses)
+        t0 = time.monotonic()
+        writer.write(payload)
+        await anyio.sleep(pause / 2)  # (bytes unacknowledged a while before the close: no watch looks)
+        writer.close()
+        with anyio.fail_after(60):
+            await writer.wait_closed()
+        took = time.monotonic() - t0
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        assert line.split() == [str(len(payload)), hashlib.sha256(payload).hexdigest()], line
+        assert took >= pause - 0.5, took
+    finally:
+        proc.kill()
+        proc.wait()
