@@ -49,13 +49,17 @@ LIMIT = 1 << 20
 KiB = 1 << 10
 
 
-def opened_pair(limit: int = LIMIT) -> tuple[Connection, Connection]:
-    """A client and a server, open, in message mode; the server has a message sink."""
-    c = Connection(Role.CLIENT, Mode.MESSAGES, now=0.0, max_message_size=limit)
-    s = Connection(Role.SERVER, Mode.MESSAGES, now=0.0, max_message_size=limit)
+def opened_pair(limit: int = LIMIT, mode: Mode = Mode.MESSAGES) -> tuple[Connection, Connection]:
+    """A client and a server, open; the server has a message sink (message mode) or a stream
+    buffer (stream mode) as its sink."""
+    c = Connection(Role.CLIENT, mode, now=0.0, max_message_size=limit)
+    s = Connection(Role.SERVER, mode, now=0.0, max_message_size=limit)
     s.receive_data(c.send_hello())
     c.receive_data(s.send_hello())
     s.receive_data(c.select("tcp"))
+    if mode is Mode.STREAM:
+        s.data_sink = StreamBuffer()
+        return c, s
     s.message_sink = MessageSink()
     s.spares = SpareBuffers()
     return c, s
@@ -327,17 +331,6 @@ def test_eof_in_a_long_message_is_an_error_and_gives_the_spare_back() -> None:
 # -- a byte stream's DATA ---------------------------------------------------------------------
 
 
-def opened_stream_pair() -> tuple[Connection, Connection]:
-    """A client and a server, open, in stream mode; the server has a stream buffer as its sink."""
-    c = Connection(Role.CLIENT, Mode.STREAM, now=0.0, max_message_size=LIMIT)
-    s = Connection(Role.SERVER, Mode.STREAM, now=0.0, max_message_size=LIMIT)
-    s.receive_data(c.send_hello())
-    c.receive_data(s.send_hello())
-    s.receive_data(c.select("tcp"))
-    s.data_sink = StreamBuffer()
-    return c, s
-
-
 def stream_wire(c: Connection, writes: list[bytes]) -> bytes:
     return b"".join(b"".join(bytes(x) for x in c.send_data(w)) for w in writes)
 
@@ -413,7 +406,7 @@ def test_a_streams_bytes_are_copied_once_and_a_whole_chunk_is_handed_out_as_it_i
     """DATA read in any cuts: each read's payloads become chunks of ``bytes`` (the one copy after
     the kernel's), at most ``STREAM_CHUNK`` each; a reader that asks for a chunk's size or more
     (``receive()``'s default) gets that very object -- no second copy -- and the bytes in order."""
-    c, s = opened_stream_pair()
+    c, s = opened_pair(mode=Mode.STREAM)
     sent = payloads(writes)
     kernel = Kernel(s, stream_wire(c, sent))
     sink = s.data_sink
