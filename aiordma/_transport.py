@@ -439,8 +439,8 @@ class PassedTransport(asyncio.Transport):
     meanwhile, and only then more from the socket.
 
     The stream contract is TCP's, as with asyncio's transport: ``write_eof`` sends FIN (the
-    peer's ``eof_received``), ``close`` flushes then closes, ``abort`` resets (the peer's
-    ``connection_lost`` gets a ``ConnectionResetError``)."""
+    peer's ``eof_received``), ``abort`` resets (the peer's ``connection_lost`` gets a
+    ``ConnectionResetError``); ``close`` stays aiordma's (see :meth:`close`)."""
 
     def __init__(self, core: Core, passed: PassedThrough) -> None:
         super().__init__()
@@ -455,7 +455,10 @@ class PassedTransport(asyncio.Transport):
         self.write = inner.write  # type: ignore[method-assign]
         self.writelines = inner.writelines  # type: ignore[method-assign]
 
-    def _start(self, protocol: asyncio.BaseProtocol, passed: PassedThrough) -> None:
+    def _start(self, protocol: asyncio.BaseProtocol) -> None:
+        """``connection_made``, then what the link held (see the class docs); raises what the
+        protocol's callbacks raise (the caller aborts)."""
+        passed = self._passed
         protocol.connection_made(self)
         first = passed.first
         if first:

@@ -202,7 +202,7 @@ class StreamReader:
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
-    #: the connection passed through: asyncio's own transport (see :meth:`_passed_through_writer`)
+    #: the connection passed through: asyncio's own transport (see :meth:`_passed_through`)
     _passed: asyncio.BaseTransport | None = None
 
     def __init__(self, core: Core, reader: StreamReader) -> None:
@@ -309,10 +309,8 @@ def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
         loop = asyncio.get_running_loop()
         inner = asyncio.StreamReader(limit=limit, loop=loop)
         protocol = asyncio.StreamReaderProtocol(inner, loop=loop)
-        passed = Nowait(core).pass_through(protocol)
-        if passed is not None:
-            transport = PassedTransport(core, passed)
-            transport._start(protocol, passed)
+        transport = _passed_transport(core, protocol)
+        if transport is not None:
             reader = StreamReader._passed_through(core, inner)
             return reader, StreamWriter._passed_through(core, reader, asyncio.StreamWriter(transport, protocol, inner, loop))
     reader = StreamReader(core, limit)
@@ -561,19 +559,28 @@ async def create_connection(
     return tr, protocol
 
 
+def _passed_transport(core: Core, protocol: asyncio.BaseProtocol) -> PassedTransport | None:
+    """When the connection passed through: the TCP transport, handed to ``protocol`` and started
+    (aborted if the protocol's first callbacks raise); else None."""
+    passed = Nowait(core).pass_through(protocol)
+    if passed is None:
+        return None
+    transport = PassedTransport(core, passed)
+    try:
+        transport._start(protocol)
+    except BaseException:
+        transport.abort()
+        raise
+    return transport
+
+
 def _transport_for(core: Core, protocol: asyncio.BaseProtocol, loop: asyncio.AbstractEventLoop,
                    on_lost: Callable[[Transport], None] | None = None) -> asyncio.Transport:  # fmt: skip
     """The transport of an open connection, started (``connection_made`` called): the TCP
     connection's own if it passed through, else aiordma's."""
-    passed = Nowait(core).pass_through(protocol)
+    passed = _passed_transport(core, protocol)
     if passed is not None:
-        ptr = PassedTransport(core, passed)
-        try:
-            ptr._start(protocol, passed)
-        except BaseException:
-            ptr.abort()
-            raise
-        return ptr
+        return passed
     tr = Transport(core, protocol, loop, on_lost=on_lost)
     try:
         tr._start()

@@ -274,22 +274,14 @@ class StreamBuffer:
         head = self._head
         avail = len(first) - head
         if n >= avail and (len(chunks) == 1 or n == avail):
-            chunks.popleft()
-            self._head = 0
-            self.nbytes -= avail
-            if head == 0 and first.__class__ is bytes:
-                return first  # (bytes: checked above)
-            with memoryview(first) as view:
-                return view[head:].tobytes()
+            return self.take_chunk()
         if n < avail:
             self._head = head + n
             self.nbytes -= n
             with memoryview(first) as view:
                 return view[head : head + n].tobytes()
         if some and head == 0 and avail >= STREAM_CHUNK and first.__class__ is bytes:
-            chunks.popleft()  # a full chunk: whole, as it is (a stream's receive may return less)
-            self.nbytes -= avail
-            return first  # (bytes: checked above)
+            return self.take_chunk()  # a full chunk: whole, as it is (a stream's receive may return less)
         # more than the first chunk: gather up to n, one copy of each byte
         parts: list[memoryview] = []
         want = min(n, self.nbytes)

@@ -22,7 +22,7 @@ from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
 from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, socket_attributes, unacknowledged, write_chunks
-from .window import WindowWatch, read_sample, set_user_timeout
+from .window import WindowWatch, apply_user_timeout, read_sample, set_user_timeout
 
 __all__ = ["AsyncioLink"]
 
@@ -285,8 +285,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         if watch is None or self.lost:
             return
         step = watch.look(read_sample(self._window_sock), self._loop.time())
-        if step.user_timeout is not None:
-            set_user_timeout(self._window_sock, int(watch.budget * 1000) if step.user_timeout else 0)
+        apply_user_timeout(self._window_sock, watch, step)
         if step.dead is not None:
             self._peer_dead(step.dead)
         elif step.again:
@@ -728,8 +727,7 @@ class _ClosingInOrder(asyncio.Protocol):
         if watch is not None:
             watch.wrote()  # (bytes wait for the peer: the watch looks, if it rested)
             step = watch.look(read_sample(self._sock), self._loop.time())
-            if step.user_timeout is not None:
-                set_user_timeout(self._sock, int(watch.budget * 1000) if step.user_timeout else 0)
+            apply_user_timeout(self._sock, watch, step)
             if step.dead is not None:
                 log.info("aiordma: %s", step.dead)
                 self._error = step.dead

@@ -21,7 +21,7 @@ from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
 from .common import CLOSE_TIMEOUT, RECEIVE_SIZE, Linger, closing_failed, unacknowledged
-from .window import State, Step, WindowWatch, read_sample, set_user_timeout
+from .window import State, Step, WindowWatch, apply_user_timeout, read_sample
 
 __all__ = ["StreamLink", "SocketWriter", "wrap_tls"]
 
@@ -201,8 +201,7 @@ class StreamLink(ControlLink):
     def _apply(self, step: Step) -> None:
         watch = self._window
         assert watch is not None
-        if step.user_timeout is not None:
-            set_user_timeout(self._window_sock, int(watch.budget * 1000) if step.user_timeout else 0)
+        apply_user_timeout(self._window_sock, watch, step)
         if step.dead is not None and self._dead is None:
             self._dead = step.dead
             log.info("aiordma: %s", step.dead)

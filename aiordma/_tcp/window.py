@@ -60,7 +60,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "TCP_INFO_SIZE"]
+__all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "set_user_timeout", "apply_user_timeout", "TCP_INFO_SIZE"]
 
 #: struct tcp_info (linux/tcp.h), the fields the watch reads, in one unpack: tcpi_probes and
 #: tcpi_backoff (bytes 3-4), tcpi_snd_mss (16), tcpi_unacked (24), tcpi_last_ack_recv (56),
@@ -140,6 +140,13 @@ def set_user_timeout(sock: Any, ms: int) -> bool:
     except (OSError, AttributeError, TypeError, ValueError):
         return False
     return True
+
+
+def apply_user_timeout(sock: Any, watch: WindowWatch, step: Step) -> None:
+    """What ``step`` says of the kernel's user timeout, on ``sock``: on at the watch's budget
+    (the peer acknowledges), off (the window closed: the watch judges), or as it is."""
+    if step.user_timeout is not None:
+        set_user_timeout(sock, int(watch.budget * 1000) if step.user_timeout else 0)
 
 
 class State(enum.Enum):
