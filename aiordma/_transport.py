@@ -67,7 +67,8 @@ def reset_error(core: Core) -> ConnectionResetError:
 
 def extra_info(core: Core, now: Nowait, name: str, default: Any = None) -> Any:
     """``get_extra_info`` of aiordma's asyncio objects: ``"aiordma_transport"`` (``"tcp"`` or
-    ``"rdma"``), ``"aiordma_fallback_reason"``, ``"aiordma_mode"``; the other names from the
+    ``"rdma"``), ``"aiordma_fallback_reason"``, ``"aiordma_mode"``, ``"aiordma_passed_through"``
+    (the data goes unframed: see ``State.PASSED_THROUGH``); the other names from the
     TCP transport underneath (``peername``, ``sockname``, ``socket``, ``ssl_object`` ...)."""
     if name == "aiordma_transport":
         return core.transport
@@ -75,6 +76,8 @@ def extra_info(core: Core, now: Nowait, name: str, default: Any = None) -> Any:
         return core.fallback_reason
     if name == "aiordma_mode":
         return "stream" if core.proto.mode is Mode.STREAM else "messages"
+    if name == "aiordma_passed_through":
+        return core.proto.passed_through
     transport = now.transport
     if transport is None:
         return default

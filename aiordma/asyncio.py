@@ -75,18 +75,6 @@ class StreamReader:
         self._consumed = nowait.consumed
         self._limit = limit
 
-    @classmethod
-    def _passed_through(cls, core: Core, inner: asyncio.StreamReader) -> StreamReader:
-        """A reader whose connection passed through: asyncio's own reader (on the TCP
-        transport's own protocol) does the reading, its methods bound to this object -- no call
-        of ours per read."""
-        self = cls.__new__(cls)
-        self._core = core
-        self._limit = _DEFAULT_LIMIT
-        for name in ("read", "readexactly", "readuntil", "readline", "at_eof", "exception"):
-            setattr(self, name, getattr(inner, name))
-        return self
-
     def exception(self) -> BaseException | None:
         return self._core.error
 
@@ -128,7 +116,7 @@ class StreamReader:
             while await self._wait():
                 pass
             return self._take(len(rbuf))
-        while not rbuf:
+        while not rbuf.nbytes:  # (the attribute: no call of StreamBuffer's per read)
             if core.peer_eof or core.closed:
                 return b""
             if core.error is not None:
@@ -143,7 +131,7 @@ class StreamReader:
             raise ValueError("readexactly size can not be less than zero")
         core = self._core
         rbuf = core.rbuf
-        while (have := len(rbuf)) < n:
+        while (have := rbuf.nbytes) < n:
             if core.peer_eof or core.closed:
                 raise asyncio.IncompleteReadError(self._take(have), n)
             if core.error is not None:
@@ -202,25 +190,11 @@ class StreamReader:
 class StreamWriter:
     """Writes a byte stream; the interface of ``asyncio.StreamWriter``."""
 
-    #: the connection passed through: asyncio's own transport (see :meth:`_passed_through`)
-    _passed: asyncio.BaseTransport | None = None
-
     def __init__(self, core: Core, reader: StreamReader) -> None:
         self._core = core
         self._now = Nowait(core)
         self._reader = reader
         self._proto = core.proto
-
-    @classmethod
-    def _passed_through(cls, core: Core, reader: StreamReader, inner: asyncio.StreamWriter) -> StreamWriter:
-        """A writer whose connection passed through: asyncio's own writer, its methods bound to
-        this object (``write`` goes to the TCP transport's own)."""
-        self = cls(core, reader)
-        self._passed = inner.transport
-        for name in ("write", "writelines", "drain", "can_write_eof", "write_eof", "close", "is_closing",
-                     "wait_closed", "get_extra_info"):  # fmt: skip
-            setattr(self, name, getattr(inner, name))
-        return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -289,10 +263,8 @@ class StreamWriter:
 
     @property
     def transport(self) -> asyncio.BaseTransport | None:
-        """The TCP transport underneath (writing to it directly breaks the framing, unless the
-        connection passed through: then it is the stream's own)."""
-        if self._passed is not None:
-            return self._passed
+        """The TCP transport underneath (writing to it directly breaks the framing, or, passed
+        through, the order of what this writer queued)."""
         return self._now.transport
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -303,16 +275,10 @@ class StreamWriter:
 
 
 def _pair(core: Core, limit: int) -> tuple[StreamReader, StreamWriter]:
-    """The reader and writer of an open connection: aiordma's, or -- when it passed through (see
-    :func:`open_connection`) -- asyncio's own on the TCP transport, behind the same two types."""
+    """The reader and writer of an open connection (passed through -- see
+    :func:`open_connection` -- the link carries it on unframed, under the same two)."""
     if core.proto.passed_through:
-        loop = asyncio.get_running_loop()
-        inner = asyncio.StreamReader(limit=limit, loop=loop)
-        protocol = asyncio.StreamReaderProtocol(inner, loop=loop)
-        transport = _passed_transport(core, protocol)
-        if transport is not None:
-            reader = StreamReader._passed_through(core, inner)
-            return reader, StreamWriter._passed_through(core, reader, asyncio.StreamWriter(transport, protocol, inner, loop))
+        Nowait(core).unframe()
     reader = StreamReader(core, limit)
     return reader, StreamWriter(core, reader)
 
@@ -338,17 +304,18 @@ async def open_connection(
     rdma_backend: RdmaBackend | None = None,
     auth: str | bytes | bool | None = None,
     keepalive: float | None = DEFAULT_KEEPALIVE,
-    pass_through: bool = False,
+    pass_through: bool = True,
 ) -> tuple[StreamReader, StreamWriter]:
     """Connect to an aiordma byte-stream server; returns ``(reader, writer)``.
 
     Arguments as for :func:`aiordma.connect`; ``limit`` is the reader's
-    ``readuntil``/``readline`` limit as in asyncio.  ``pass_through=True``: as for
-    :func:`create_connection` -- when TCP carries the data and the server offers it too
-    (``start_server(pass_through=True)``, :func:`create_server`), asyncio's own reader and writer
-    do the work on the TCP transport, behind these two objects: asyncio's round trip, and
-    asyncio's reader (two copies per byte, and its pause and resume at twice ``limit``: about a
-    sixth of aiordma's reader's MB/s for large reads here).  Off by default for that reason.
+    ``readuntil``/``readline`` limit as in asyncio.  ``pass_through``: when TCP carries the data
+    (no RNIC, not TLS) and the server offers it too (:func:`start_server`,
+    :func:`create_server` do by default), the bytes go unframed after the handshake
+    (``get_extra_info("aiordma_passed_through")``): the same reader and writer, without a frame
+    header to write or parse per write -- asyncio's round trip, one copy per byte.  The peer's
+    ``write_eof`` is then TCP's FIN and a reset the stream's error, as with asyncio's streams;
+    closing reasons are not carried.
     """
     settings = ClientSettings.of(locals())
     return _pair(await _open_stream(host, port, settings), limit)
@@ -476,7 +443,7 @@ async def start_server(
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT,
     max_rdma_connections: int | None = None,
     max_pinned_bytes: int | None = None,
-    pass_through: bool = False,
+    pass_through: bool = True,
 ) -> Server:
     """Start an aiordma byte-stream server; ``client_connected_cb(reader, writer)``
     runs (in a task) for each client once its handshake completed (``pass_through``: see

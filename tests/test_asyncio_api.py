@@ -21,14 +21,30 @@ pytestmark = pytest.mark.anyio
 
 Handler = Callable[[StreamReader, StreamWriter], Awaitable[None]]
 
+#: whether both ends offer to pass through (set per test by ``streams``)
+_PASS_THROUGH = [True]
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["passed", "framed"])
+def streams(request: pytest.FixtureRequest) -> Any:
+    """Every test runs with the streams passed through (the default: unframed after the
+    handshake) and framed (``pass_through=False``)."""
+    _PASS_THROUGH[0] = request.param
+    yield request.param
+    _PASS_THROUGH[0] = True
+
 
 @asynccontextmanager
 async def server_and_client(handler: Handler, **kwargs: Any) -> AsyncIterator[tuple[StreamReader, StreamWriter]]:
+    """A server running ``handler`` and a client connected to it (``kwargs``: the client's;
+    ``pass_through`` the server's too)."""
+    pass_through = kwargs.setdefault("pass_through", _PASS_THROUGH[0])
     async with no_fd_leak():
-        server = await aiordma.asyncio.start_server(handler, "127.0.0.1", 0, transport="tcp")
+        server = await aiordma.asyncio.start_server(handler, "127.0.0.1", 0, transport="tcp", pass_through=pass_through)
         async with server:
             port = server.sockets[0].getsockname()[1]
             reader, writer = await aiordma.asyncio.open_connection("127.0.0.1", port, transport="tcp", **kwargs)
+            assert writer.get_extra_info("aiordma_passed_through") is pass_through
             try:
                 yield reader, writer
             finally:

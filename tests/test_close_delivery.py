@@ -114,9 +114,9 @@ async def test_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any, api: s
 async def test_a_passed_through_stream_close_waits_for_a_reader_that_pauses(
     anyio_backend: Any, tlsdir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same with ``aiordma.asyncio``'s streams passed through (``pass_through=True`` at both
-    ends): asyncio's own close would close the socket once the bytes reached this side's kernel,
-    and the paused reader's tail went with a reset (this test's first run)."""
+    """The same with ``aiordma.asyncio``'s streams passed through (unframed after the handshake,
+    both ends; the others here run them framed): a close that ends the socket once the bytes
+    reached this side's kernel -- asyncio's own -- lost the paused reader's tail to a reset."""
     if loop_name(anyio_backend) == "trio":
         pytest.skip("aiordma.asyncio runs on asyncio loops")
     monkeypatch.setenv("AIORDMA_TEST_STREAMS_PASS_THROUGH", "1")

@@ -9,13 +9,15 @@ first data bytes read along with the SELECT are kept for the user, not parsed.
 
 from __future__ import annotations
 
+import array
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import LocalProtocolError
 from aiordma._proto.framing import CAP_PASS_THROUGH, CAP_RDMA, FrameType, Hello, encode_hello, frame
-from aiordma._proto.protocol import MAGIC, Connection, HelloReceived, Mode, TransportSelected
+from aiordma._proto.protocol import MAGIC, Connection, EndOfStream, HelloReceived, Mode, TransportSelected
 from aiordma._proto.states import Role, State
 
 
@@ -53,19 +55,27 @@ def test_data_read_after_passing_through_is_kept_unparsed_until_taken() -> None:
     view[:3] = b"abc"
     del view
     assert s.buffer_updated(3) == []
-    assert s.receive_eof() == []  # (the data's end: the owner tells the user)
+    assert s.receive_eof() == [EndOfStream()]  # (a FIN: the data's end, once)
+    assert s.receive_eof() == []
     assert s.take_passed() == framed_looking + b"abc"
     assert s.take_passed() == b""
 
 
 def test_nothing_is_framed_once_passed_through() -> None:
+    """Data goes as it is (any byte view, counted in bytes); the EOF is the owner's FIN (no frame),
+    once, and no data after it; no CLOSE frame goes into the user's data."""
     c, s, _ = handshake(Mode.STREAM, CAP_PASS_THROUGH, CAP_PASS_THROUGH)
     for conn in (c, s):
-        with pytest.raises(LocalProtocolError):
-            conn.send_data(b"x")
+        assert conn.send_data(b"x") == [b"x"]
+        assert conn.send_data(b"") == []
+        (chunk,) = conn.send_data(memoryview(array.array("i", [1, 2])))
+        assert bytes(chunk) == array.array("i", [1, 2]).tobytes()
+        assert conn.send_eof() == b""
         with pytest.raises(LocalProtocolError):
             conn.send_eof()
-        assert conn.close() == b""  # (no CLOSE frame into the user's data)
+        with pytest.raises(LocalProtocolError):
+            conn.send_data(b"x")
+        assert conn.close() == b""
         assert conn.passed_through
 
 
@@ -346,12 +356,13 @@ READER = textwrap.dedent(
 
 
 @pytest.mark.anyio
-async def test_streams_pass_through_on_request_and_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any) -> None:
-    """``pass_through=True`` on both ends of the streams API: asyncio's own reader and writer.
-    The reader (another process) pauses 3 s -- longer than the keepalive budget -- before it
-    reads: the connection is not ended by the kernel's user timeout (the handover turns it off),
-    and ``close(); wait_closed()`` returns once the reader has every byte.  (The close's own
-    linger is test_close_delivery's passed-through case.)"""
+async def test_streams_pass_through_and_a_close_waits_for_a_reader_that_pauses(anyio_backend: Any) -> None:
+    """Both ends of the streams API pass through (their default): aiordma's reader and writer on
+    the unframed connection.  The reader (another process) pauses 3 s -- longer than the
+    keepalive budget -- before it reads: the connection is not ended by the kernel's user
+    timeout (the window watch still tells slow from dead), and ``close(); wait_closed()``
+    returns once the reader has every byte.  (The close's own linger is test_close_delivery's
+    passed-through case.)"""
     import hashlib
     import time
 
@@ -375,6 +386,94 @@ async def test_streams_pass_through_on_request_and_a_close_waits_for_a_reader_th
         line = await anyio.to_thread.run_sync(proc.stdout.readline)
         assert line.split() == [str(len(payload)), hashlib.sha256(payload).hexdigest()], line
         assert took >= pause - 0.5, took
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+STREAM_PEER = textwrap.dedent(
+    """
+    import asyncio, socket, struct, sys
+    import aiordma.asyncio as aa
+
+    async def main(how):
+        done = asyncio.Event()
+
+        async def handle(reader, writer):
+            print("passed" if writer.get_extra_info("aiordma_passed_through") else "framed", flush=True)
+            if how == "reset":
+                writer.write(b"partial")
+                await writer.drain()
+                await reader.readexactly(2)  # (the client has the bytes)
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()  # (a reset, not an end in order)
+            else:  # hold: read to the end, then keep the connection open, never closing it
+                data = await reader.read()
+                print(len(data), flush=True)
+                await asyncio.sleep(30)
+            done.set()
+
+        server = await aa.start_server(handle, "127.0.0.1", 0, transport="tcp")
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await done.wait()
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.anyio
+async def test_a_passed_through_stream_reset_by_its_peer_is_an_error_not_an_eof(anyio_backend: Any) -> None:
+    """Unframed, a reset is not the data's end: what came before it is read, then the read
+    raises ``ConnectionResetError`` (as asyncio's streams do), never a short read at EOF; and
+    ``drain`` raises too."""
+    proc = subprocess.Popen([sys.executable, "-c", STREAM_PEER, "reset"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
+        reader, writer = await aa.open_connection("127.0.0.1", port, transport="tcp")
+        assert writer.get_extra_info("aiordma_passed_through")
+        assert (await anyio.to_thread.run_sync(proc.stdout.readline)).strip() == "passed"
+        with anyio.fail_after(30):
+            assert await reader.readexactly(7) == b"partial"
+            writer.write(b"ok")
+            with pytest.raises(ConnectionResetError):
+                await reader.readexactly(10)
+        assert isinstance(reader.exception(), ConnectionResetError)
+        with pytest.raises(ConnectionResetError):
+            await writer.drain()
+        writer.close()
+        with anyio.fail_after(10):
+            await writer.wait_closed()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.anyio
+async def test_a_passed_through_close_never_awaited_ends_once_the_peer_has_everything(anyio_backend: Any) -> None:
+    """A stream's ``close()`` that nobody awaits (asyncio's own idiom allows it): the peer reads
+    to the end and then holds the connection open.  The close does not wait for the peer's end:
+    once the peer's kernel has every byte, the socket closes by itself (its own timers, not
+    ``wait_closed``'s), and ``wait_closed`` afterwards returns at once."""
+    proc = subprocess.Popen([sys.executable, "-c", STREAM_PEER, "hold"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
+        reader, writer = await aa.open_connection("127.0.0.1", port, transport="tcp")
+        assert (await anyio.to_thread.run_sync(proc.stdout.readline)).strip() == "passed"
+        sock = writer.get_extra_info("socket")
+        payload = os.urandom(4 << 20)
+        writer.write(payload)
+        writer.close()
+        assert int(await anyio.to_thread.run_sync(proc.stdout.readline)) == len(payload)
+        with anyio.fail_after(10):
+            while sock.fileno() >= 0:  # (closed: asyncio's TransportSocket reads -1)
+                await anyio.sleep(0.05)
+        with anyio.fail_after(1):
+            await writer.wait_closed()
+        assert proc.poll() is None  # (the peer still holds its end)
     finally:
         proc.kill()
         proc.wait()

@@ -20,11 +20,11 @@ from aiordma._handshake.settings import ClientSettings, ListenerSettings
 ENTRY_POINTS: dict[Callable[..., Any], tuple[type[Any], set[str]]] = {
     aiordma.connect: (ClientSettings, set()),
     aiordma.connect_channel: (ClientSettings, set()),
-    aa.open_connection: (ClientSettings, {"limit"}),
-    aa.create_connection: (ClientSettings, {"pass_through"}),  # (True here: the Protocol API hands TCP over)
+    aa.open_connection: (ClientSettings, {"limit", "pass_through"}),  # (True in asyncio's front ends)
+    aa.create_connection: (ClientSettings, {"pass_through"}),
     aiordma.create_listener: (ListenerSettings, set()),
     aiordma.create_channel_listener: (ListenerSettings, set()),
-    aa.start_server: (ListenerSettings, {"limit", "start_serving"}),
+    aa.start_server: (ListenerSettings, {"limit", "start_serving", "pass_through"}),
     aa.create_server: (ListenerSettings, {"start_serving", "pass_through"}),
 }
 

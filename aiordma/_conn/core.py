@@ -344,8 +344,11 @@ class Core:
 
     def feed_eof(self, exc: BaseException | None = None) -> None:
         """The byte transport ended, in order (``exc`` None) or not."""
+        if exc is not None and self.proto.passed_through:
+            self.on_error(exc)  # (unframed: a connection lost is not the data's end)
+            return
         try:
-            self.proto.receive_eof()
+            events = self.proto.receive_eof()  # (an EOF only when passed through: a FIN is the data's end)
         except (ProtocolError, HandshakeError) as perr:
             if exc is not None:
                 perr.__cause__ = exc
@@ -355,6 +358,8 @@ class Core:
                 exc = exc.__cause__
             self.on_error(exc if isinstance(exc, OSError) else perr)
         else:
+            if events:
+                self.on_events(events)
             if exc is not None and self.peer_close is None:
                 self.on_error(exc)
 

@@ -119,12 +119,21 @@ class PassThroughLink(Protocol):
       its transport is a layer of its own).
     * ``pass_through(protocol)``: stop being the transport's protocol -- ``protocol`` is, from now
       on -- and return what the link held (:class:`PassedThrough`).  The link and its Core are
-      done: nothing is framed, watched or closed through them any more."""
+      done: nothing is framed, watched or closed through them any more.
+    * or ``unframe()``: go on carrying the connection, unframed -- what the socket reads goes
+      into the Core's ``rbuf`` as it is (aiordma's own reader reads it), writes go as the
+      protocol returns them (unframed), the peer's FIN is the stream's EOF and a reset its
+      error, ``close_nowait(b"")`` lingers after a FIN as a framed close does, and the link's
+      watch still judges slow from dead.  ``end_half()`` then ends our half (our EOF: a FIN)."""
 
     @property
     def can_pass_through(self) -> bool: ...
 
     def pass_through(self, protocol: asyncio.BaseProtocol) -> PassedThrough: ...
+
+    def unframe(self) -> None: ...
+
+    def end_half(self) -> None: ...
 
 
 class Nowait:
@@ -187,8 +196,13 @@ class Nowait:
         self._link.write_nowait(self.core.proto.send_data(data))
 
     def write_eof(self) -> None:
-        """Queue our EOF after what was written (the protocol's half-close)."""
-        self._link.write_nowait([self.core.proto.send_eof()])
+        """Queue our EOF after what was written (the protocol's half-close; unframed, a FIN)."""
+        final = self.core.proto.send_eof()
+        link = self._link
+        if final:
+            link.write_nowait([final])
+        elif isinstance(link, PassThroughLink):
+            link.end_half()
 
     async def drain(self, low: int = 0) -> None:
         await self._link.drain(low)
@@ -207,6 +221,16 @@ class Nowait:
         if not self.core.proto.passed_through or not isinstance(link, PassThroughLink):
             return None
         return link.pass_through(protocol)
+
+    def unframe(self) -> bool:
+        """The connection passed through (both sides offered it, TCP): the link carries it on,
+        unframed, under this Core's readers and writers (see :class:`PassThroughLink`).  False
+        when it did not pass through: it stays framed."""
+        link = self._link
+        if not self.core.proto.passed_through or not isinstance(link, PassThroughLink):
+            return False
+        link.unframe()
+        return True
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -192,6 +192,7 @@ _END_OF_STREAM: Final = EndOfStream()
 
 # hot-path constants (module globals are cheaper than enum class attributes)
 _S_OPEN: Final = State.OPEN
+_S_PASSED: Final = State.PASSED_THROUGH
 _S_CLOSE_SENT: Final = State.CLOSE_SENT
 #: the states in which the peer's frames are read: open, and after our CLOSE until the peer's
 _READING: Final = frozenset({State.OPEN, State.CLOSE_SENT})

@@ -107,6 +107,7 @@ from .framing import (
     _READING,
     _S_CLOSE_SENT,
     _S_OPEN,
+    _S_PASSED,
     _TRANSPORT_CODES,
     _TRANSPORT_NAMES,
     _T_DATA,
@@ -447,6 +448,13 @@ class Connection:
     def send_data(self, data: bytes | bytearray | memoryview) -> list[Chunk]:
         """Frame stream bytes; returns the chunks to write, in order."""
         if self.state is not _S_OPEN or self.send_half is not _H_OPEN or self.mode is not _M_STREAM:
+            if self.state is _S_PASSED:
+                # unframed: the bytes go as they are (the owner carries the TCP connection on;
+                # nothing fails in this state: no frame is parsed)
+                if self.send_half is not _H_OPEN:
+                    self._half_step(self.send_half, HalfInput.DATA, remote=False)  # (raises)
+                chunk = data if type(data) is bytes else _byte_view(data)  # (counted in bytes)
+                return [chunk] if len(chunk) else []
             self._check_alive()
             if self.mode is not Mode.STREAM:
                 raise LocalProtocolError("send_data on a message connection")
@@ -513,12 +521,13 @@ class Connection:
         return self._peer_max_message
 
     def send_eof(self) -> bytes:
-        """Half-close: we send no more data; the peer may still send."""
+        """Half-close: we send no more data; the peer may still send.  Returns the EOF frame, or
+        ``b""`` when the connection passed through (the owner ends its TCP half: a FIN)."""
         self._check_alive()
-        if self.state is not State.OPEN:
+        if self.state is not State.OPEN and self.state is not State.PASSED_THROUGH:
             raise LocalProtocolError(f"cannot send EOF in state {self.state.value}")
         self.send_half = self._half_step(self.send_half, HalfInput.EOF, remote=False)
-        return frame(FrameType.EOF)
+        return frame(FrameType.EOF) if self.state is State.OPEN else b""
 
     def close(self, code: int = CloseCode.NORMAL, reason: str = "") -> bytes:
         """The CLOSE frame to send, or ``b""`` if a CLOSE already went either way (or the
@@ -926,9 +935,16 @@ class Connection:
         return pos
 
     def receive_eof(self) -> list[Event]:
-        """The byte transport from the peer ended (TCP FIN or connection loss)."""
-        if self.close_received is not None or self.close_sent or self.state is State.PASSED_THROUGH:
-            return []  # (passed through: the data's end, the owner's to tell)
+        """The byte transport from the peer ended (TCP FIN or connection loss).  Passed through,
+        an orderly end (a FIN) is the data's end: the stream's EOF, once (a connection lost
+        without one is the owner's to report: nothing here can tell)."""
+        if self.state is State.PASSED_THROUGH:
+            if self.recv_half is not Half.OPEN:
+                return []
+            self.recv_half = Half.EOF
+            return [_END_OF_STREAM]
+        if self.close_received is not None or self.close_sent:
+            return []
         self._check_alive()
         long = self._long
         pending = self._rb.end - self._rb.start or (long.length - long.got if long is not None else 0)

@@ -69,6 +69,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     _paces: bool = False
     #: readers call consumed() only while reading is paused (it resumes reading below the low mark)
     needs_consumed: bool = False
+    #: the connection passed through and the link carries its bytes unframed (see unframe)
+    unframed: bool = False
     #: set by the asyncio Transport front end (aiordma._transport, through set_callbacks):
     #: called, instead of waking waiters, after every feed of the Core and when the connection
     #: ends; and ``write_listener(paused)`` when the TCP transport pauses or resumes writing
@@ -120,6 +122,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._pace: _Pace | None = None  # a large send writing its frames itself (see _send_paced)
         self._limits: tuple[int, int] | None = None  # the transport's write limits while sends pace
         self._passed_eof = False  # passed through: the peer's EOF came before the handover
+        self._in_order = False  # unframed: a _ClosingInOrder is closing the connection
         self._lost_error: Exception | None = None
         # the loop calls get_buffer for every read: go to the protocol directly
         self.get_buffer = proto.get_buffer  # type: ignore[method-assign]
@@ -196,8 +199,13 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             self._control_ended()
             return False
         if self._proto.passed_through:
-            self._passed_eof = True  # (the new protocol's, at the handover)
-            return True  # (the transport stays: the new protocol decides)
+            # the data's end: the new protocol's at the handover, or (unframed) the stream's EOF
+            self._passed_eof = True
+            core = self.core
+            if not core.closed:
+                core.feed_eof()
+                self._wake()
+            return True  # (the transport stays: our half may still send, and a close lingers)
         core = self.core
         if not core.closed:
             core.feed_eof()
@@ -249,7 +257,10 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
                 data = os.read(fd, RECEIVE_HIGH_WATER)
                 if not data:
                     break
-                self.core.feed(data)
+                if self.unframed:
+                    self.core.rbuf += data
+                else:
+                    self.core.feed(data)
         except OSError:  # (BlockingIOError: nothing more; ECONNRESET after the last bytes)
             pass
 
@@ -332,13 +343,78 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             set_user_timeout(sock, 0)
         if not self.lost:
             transport.set_protocol(protocol)
-        loop = self._loop
 
         def close_in_order(done: Callable[[Exception | None], None]) -> None:
-            _ClosingInOrder(transport, sock, watch, loop, done).start()
+            _ClosingInOrder(transport, sock or transport.get_extra_info("socket"), watch, self._loop, done).start()
 
         return PassedThrough(transport, first, self._passed_eof, self.lost, self._lost_error, self._paused_reading,
                              close_in_order)  # fmt: skip
+
+    def unframe(self) -> None:
+        """The connection passed through: this link carries its bytes unframed from now on (see
+        :class:`~aiordma._conn.nowait.PassThroughLink`).  The transport's protocol becomes
+        :class:`_Unframed`: each read's ``bytes`` goes into the Core's ``rbuf`` as it is (no
+        copy of ours, no parser); writes go as the protocol returns them (unframed); a close
+        lingers after a FIN as a framed close does; the window watch keeps judging slow from
+        dead."""
+        if not self._proto.passed_through or self.unframed:
+            raise RuntimeError("the connection did not pass through, or is unframed already")
+        self.unframed = True
+        core = self.core
+        first = self._proto.take_passed()
+        if first and not core.closed:
+            core.rbuf += first
+        transport = self.tcp_writer
+        if transport is not None and not self.lost:
+            transport.set_protocol(_Unframed(self))
+        if self._paused_reading and core.buffered <= RECEIVE_HIGH_WATER // 4:
+            self._resume_reading()  # (paused at the SELECT until this handover)
+
+    def _unframed_data(self, data: bytes) -> None:
+        """Unframed: one read's bytes (``_Unframed.data_received``)."""
+        core = self.core
+        if core.closed:
+            return  # (lingering after our close: what comes is dropped)
+        rbuf = core.rbuf
+        rbuf += data
+        if not self._paused_reading and rbuf.nbytes > RECEIVE_HIGH_WATER:
+            self._pause_reading()
+        fut = self._waiter  # self._wake(), inlined
+        if fut is not None:
+            self._waiter = None
+            if not fut.done():
+                fut.set_result(None)
+            if self._waiters:
+                self._wake_more()
+
+    def _closing_in_order(self, transport: asyncio.Transport, done: Callable[[Exception | None], None],
+                          eof_sent: bool) -> None:  # fmt: skip
+        """Unframed: close in order (:class:`_ClosingInOrder`, the window watch going with it)."""
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        sock, watch = self._window_sock, self._window
+        self._window = self._window_sock = None
+        self._paused_reading = self.needs_consumed = False  # (the close reads on: see _ClosingInOrder)
+        _ClosingInOrder(transport, sock or transport.get_extra_info("socket"), watch, self._loop, done,
+                        eof_sent=eof_sent).start()  # fmt: skip
+
+    def _closed_in_order(self, error: Exception | None) -> None:
+        """Unframed, closing in order: done (``error``: why the peer may not have everything)."""
+        if error is not None and self._close_error is None:
+            self._close_error = closing_failed(error)
+        self.connection_lost(error)
+
+    def end_half(self) -> None:
+        """Unframed: end our half after what is queued (the stream's EOF is TCP's FIN)."""
+        if self._pace is not None:
+            self._flush_pace()
+        writer = self.tcp_writer
+        if writer is None or writer.is_closing():
+            raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+        if not self._eof_sent:
+            self._eof_sent = True
+            writer.write_eof()
 
     def hand_over(self, io: IOBackend, on_control: Callable[[bytes | None], None]) -> Watch | None:
         # from now on the socket's bytes go to the RDMA link, not to the protocol object (they
@@ -582,7 +658,14 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             if final:
                 writer.write(final)
             tls = writer.get_extra_info("ssl_object") is not None and writer.get_extra_info("socket") is not None
-            if final and self._on_control is None and not self._eof_sent and (tls or writer.can_write_eof()):
+            if self.unframed:
+                # no CLOSE to deliver, but the data: it closes in order all the same (also after
+                # the user's own write_eof: a socket closed with unread bytes resets), on timers
+                # of its own -- a stream's close may never be waited for
+                self._in_order = True
+                eof_sent, self._eof_sent = self._eof_sent, True
+                self._closing_in_order(writer, self._closed_in_order, eof_sent)
+            elif final and self._on_control is None and not self._eof_sent and (tls or writer.can_write_eof()):
                 self._linger = Linger()
                 self.written()  # (the watch judges the peer while it has bytes of ours to take)
                 if self._paused_reading:
@@ -624,8 +707,9 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             while True:
                 linger = self._linger
                 try:
-                    await asyncio.wait_for(asyncio.shield(self._closed_future),
-                                           linger.tick if linger is not None else CLOSE_TIMEOUT)  # fmt: skip
+                    # (closing in order unframed: its own timers end it, however long it takes)
+                    timeout = linger.tick if linger is not None else None if self._in_order else CLOSE_TIMEOUT
+                    await asyncio.wait_for(asyncio.shield(self._closed_future), timeout)
                     break
                 except asyncio.TimeoutError:
                     writer = self.tcp_writer
@@ -664,6 +748,19 @@ if TYPE_CHECKING:  # mypy holds the link to the interface asyncio's front ends u
         return link
 
 
+class _Unframed(asyncio.Protocol):
+    """The transport's protocol once an :class:`AsyncioLink` carries its stream unframed
+    (``AsyncioLink.unframe``): the transport calls the link's own methods, bound here (no call
+    of ours in between)."""
+
+    def __init__(self, link: AsyncioLink) -> None:
+        self.data_received = link._unframed_data  # type: ignore[method-assign]
+        self.eof_received = link.eof_received  # type: ignore[method-assign]
+        self.connection_lost = link.connection_lost  # type: ignore[method-assign]
+        self.pause_writing = link.pause_writing  # type: ignore[method-assign]
+        self.resume_writing = link.resume_writing  # type: ignore[method-assign]
+
+
 class _ClosingInOrder(asyncio.Protocol):
     """A passed-through connection's close, in order: the transport's protocol from the user's
     ``close()`` on (see :class:`Linger`, and ``AsyncioLink.close_nowait`` for the framed close).
@@ -676,7 +773,9 @@ class _ClosingInOrder(asyncio.Protocol):
     the peer may not have everything (its host was found dead, it reset the connection)."""
 
     def __init__(self, transport: asyncio.Transport, sock: Any, watch: WindowWatch | None,
-                 loop: asyncio.AbstractEventLoop, done: Callable[[Exception | None], None]) -> None:  # fmt: skip
+                 loop: asyncio.AbstractEventLoop, done: Callable[[Exception | None], None],
+                 eof_sent: bool = False) -> None:  # fmt: skip
+        self._eof_sent = eof_sent  # (our half ended already: the user's write_eof)
         self._transport = transport
         self._sock = sock
         self._watch = watch
@@ -693,7 +792,8 @@ class _ClosingInOrder(asyncio.Protocol):
             transport.close()  # (nothing to linger on: asyncio's own close)
             return
         try:
-            transport.write_eof()
+            if not self._eof_sent:
+                transport.write_eof()
             transport.resume_reading()
         except (OSError, RuntimeError):  # (the connection is ending already)
             transport.close()
