@@ -192,7 +192,8 @@ class StreamWriter:
 
     def __init__(self, core: Core, reader: StreamReader) -> None:
         self._core = core
-        self._now = Nowait(core)
+        self._now = now = Nowait(core)
+        self._flags = now.flags
         self._reader = reader
         self._proto = core.proto
 
@@ -201,11 +202,11 @@ class StreamWriter:
             return
         if self._proto.send_half is _EOF:
             raise RuntimeError("Cannot call write() after write_eof()")
-        now = self._now
-        if not now.writable:
+        core = self._core  # (Nowait.writable, inline: the hot path)
+        if core.closed or core.error is not None or core.peer_close is not None or self._flags.lost:
             return  # as with asyncio: drain() reports the lost connection
         try:
-            now.write(data)
+            self._now.write(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return  # as with asyncio: write() never raises for a lost connection, drain() does
 
@@ -217,11 +218,12 @@ class StreamWriter:
         core = self._core
         if core.error is not None:
             raise _reset(core)
-        now = self._now
-        if now.lost or core.peer_close is not None:
+        flags = self._flags
+        if flags.lost or core.peer_close is not None:
             raise ConnectionResetError("Connection lost")
-        if not now.paused_writing:
+        if not flags.paused_writing:
             return  # the common case: no coroutine to await
+        now = self._now
         try:
             await now.drain()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:

@@ -211,6 +211,10 @@ def test_tcp_info_offsets_match_the_kernel() -> None:
             time.sleep(0.05)
         assert sample is not None and sample.window_closed and sample.queued
         assert 0 < sample.notsent <= sent and sample.mss > 0 and sample.last_ack_ms < 10_000
+        # what is queued, two ways: TCP_INFO's byte counters and SIOCOUTQ (in flight + not sent)
+        from aiordma._tcp.common import unacknowledged
+
+        assert abs(sample.in_flight + sample.notsent - unacknowledged(client)) <= sample.mss
         assert 0 < sample.rtt_us < 1_000_000  # (loopback: microseconds)
         server.recv(1 << 20)
         idle = parse_sample(server.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
@@ -219,3 +223,139 @@ def test_tcp_info_offsets_match_the_kernel() -> None:
         client.close()
         server.close()
         lsock.close()
+
+
+# -- resting with room: no looks while writes fit in the peer's window --------------------------
+
+MSS = 1448
+
+
+class Flow:
+    """A sender and its peer, for the watch's rest: the application's writes wait in the
+    transport's buffer (``pending``) until the kernel's send buffer (``sndbuf``) has room; the
+    kernel sends what fits in the window the peer last advertised (``window``, from the last
+    ACK); the peer's buffer holds ``capacity`` bytes, an ACK takes in everything in flight and
+    advertises what is left; the peer's application reads whenever it likes.  The kernel would
+    probe (and its user timeout judge a live peer) when bytes wait and the next segment does not
+    fit: :attr:`closed`."""
+
+    def __init__(self, capacity: int, sndbuf: int) -> None:
+        self.capacity = capacity
+        self.sndbuf = sndbuf
+        self.unread = self.in_flight = self.notsent = self.pending = 0
+        self.window = capacity
+
+    def _send(self) -> None:
+        take = min(self.pending, max(0, self.sndbuf - self.in_flight - self.notsent))
+        self.pending -= take
+        self.notsent += take
+        room = max(0, self.window - self.in_flight)
+        n = min(self.notsent, room)
+        self.notsent -= n
+        self.in_flight += n
+
+    def write(self, n: int) -> None:
+        self.pending += n
+        self._send()
+
+    def ack(self) -> None:
+        self.unread += self.in_flight
+        self.in_flight = 0
+        self.window = self.capacity - self.unread
+        self._send()
+
+    def read(self, n: int) -> None:
+        self.unread -= min(n, self.unread)
+
+    @property
+    def closed(self) -> bool:
+        return self.notsent > 0 and self.window - self.in_flight < min(self.notsent, MSS)
+
+    def sample(self) -> TcpSample:
+        return TcpSample(probes=0, backoff=0, unacked=(self.in_flight + MSS - 1) // MSS, notsent=self.notsent,
+                         window=self.window, mss=MSS, last_ack_ms=0, rtt_us=50, in_flight=self.in_flight)  # fmt: skip
+
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(1, 1 << 17) | st.integers(1, 256)),
+        st.tuples(st.just("ack"), st.just(0)),
+        st.tuples(st.just("read"), st.integers(0, 1 << 18)),
+        st.tuples(st.just("tick"), st.just(0)),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 1 << 21), sndbuf=st.integers(1 << 12, 1 << 22), plan=events, begin=st.booleans())
+def test_the_watch_rests_only_while_the_window_cannot_close(capacity: int, sndbuf: int, plan: list[tuple[str, int]],
+                                                            begin: bool) -> None:  # fmt: skip
+    """Driven as the asyncio link drives it (a write that fits in the room costs nothing; one
+    that does not takes a sample -- with what the transport still holds -- and the watch rests
+    again or looks every tick), the watch is never at rest while the kernel would be probing a
+    closed window: the one state in which the kernel's user timeout must not judge alone.  (The
+    first version left out the transport's buffer: a 48 MiB write rested on the kernel's view,
+    and the reader that paused lost its connection to the user timeout.)"""
+    flow = Flow(capacity, sndbuf)
+    watch = WindowWatch(2.0)
+    if begin:
+        watch.begin(flow.sample())
+    now = 0.0
+    for what, n in plan:
+        if what == "write":
+            flow.write(n)
+            if watch.state is State.IDLE:
+                if not watch.wrote_within(n):
+                    watch.resample(flow.sample(), flow.pending)
+        elif what == "ack":
+            flow.ack()
+        elif what == "read":
+            flow.read(n)
+        elif watch.state is not State.IDLE:
+            now += watch.tick
+            watch.look(flow.sample(), now)
+        assert not (flow.closed and watch.state is State.IDLE), (what, n, vars(flow), watch.room)
+
+
+def test_a_round_trip_loop_needs_no_looks() -> None:
+    """Small writes answered at once (a request, its answer): after the first sample the watch
+    rests, and takes a sample once per half a window written -- no timer in the loop."""
+    flow = Flow(65536, 1 << 20)
+    watch = WindowWatch(2.0)
+    watch.begin(flow.sample())
+    samples = 0
+    for _ in range(10_000):
+        flow.write(64)
+        assert watch.state is State.IDLE
+        if not watch.wrote_within(64):
+            samples += 1
+            assert watch.resample(flow.sample(), flow.pending)
+        flow.ack()
+        flow.read(64)
+    assert samples <= 10_000 * 64 // (65536 // 2 - 64) + 1
+
+
+def test_a_watch_that_cannot_sample_looks() -> None:
+    watch = WindowWatch(2.0)
+    watch.begin(None)
+    assert not watch.wrote_within(1)
+    assert not watch.resample(None, 0) and watch.state is State.KERNEL
+
+
+def test_a_large_write_that_waits_in_the_transport_is_looked_after() -> None:
+    """One large write (48 MiB, test_pass_through's paused reader): the kernel takes a send
+    buffer of it, the transport keeps the rest and hands it on as ACKs make room -- with no call
+    the watch sees.  Its sample must count what the transport holds: the window closes later on
+    those bytes, and by then the watch must be looking."""
+    flow = Flow(256 << 10, 64 << 10)
+    watch = WindowWatch(2.0)
+    watch.begin(flow.sample())
+    flow.write(48 << 20)
+    if not watch.wrote_within(48 << 20):
+        watch.resample(flow.sample(), flow.pending)
+    for _ in range(100):
+        flow.ack()  # (the peer's application never reads)
+        if flow.closed:
+            break
+    assert flow.closed and watch.state is not State.IDLE

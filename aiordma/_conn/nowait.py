@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 from .._proto.protocol import Chunk
 from .core import Core
 
-__all__ = ["Nowait", "NowaitLink", "PassThroughLink", "PassedThrough"]
+__all__ = ["Nowait", "NowaitLink", "PassThroughLink", "PassedThrough", "WriteFlags"]
 
 
 @runtime_checkable
@@ -89,6 +89,16 @@ class NowaitLink(Protocol):
     ) -> bool: ...
 
 
+class WriteFlags(Protocol):
+    """What a writer looks at before each write and drain (attributes: no call to read them)."""
+
+    @property
+    def lost(self) -> bool: ...
+
+    @property
+    def paused_writing(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PassedThrough:
     """A connection handed over after it passed through (see :class:`PassThroughLink`)."""
@@ -143,7 +153,7 @@ class Nowait:
     frame of ours); ``consumed()`` tells the link a reader took bytes out of the Core (it may
     resume reading or return credits)."""
 
-    __slots__ = ("core", "_link", "incoming")
+    __slots__ = ("core", "_link", "incoming", "flags")
 
     def __init__(self, core: Core) -> None:
         link = core.link
@@ -152,6 +162,9 @@ class Nowait:
         self.core = core
         self._link: NowaitLink = link
         self.incoming: Callable[[], Awaitable[None]] = link.incoming
+        #: ``lost`` and ``paused_writing`` as attributes, for the hot path of a writer (the same
+        #: as this object's properties of those names)
+        self.flags: WriteFlags = link
 
     def consumed(self) -> None:
         link = self._link

@@ -274,6 +274,10 @@ class StreamBuffer:
         head = self._head
         avail = len(first) - head
         if n >= avail and (len(chunks) == 1 or n == avail):
+            if head == 0 and first.__class__ is bytes:  # (take_chunk's common case, inline)
+                chunks.popleft()
+                self.nbytes -= avail
+                return first  # (bytes: checked above)
             return self.take_chunk()
         if n < avail:
             self._head = head + n

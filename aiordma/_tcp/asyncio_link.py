@@ -22,12 +22,15 @@ from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
 from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, socket_attributes, unacknowledged, write_chunks
+from .window import State as _WatchState
 from .window import WindowWatch, apply_user_timeout, read_sample, set_user_timeout
 
 __all__ = ["AsyncioLink"]
 
 log = logging.getLogger("aiordma")
 
+
+_IDLE = _WatchState.IDLE
 
 #: a send larger than this writes its frames to the socket itself, this much at a time
 PACE = 256 << 10
@@ -282,13 +285,24 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     def watch_window(self, sock: Any, watch: WindowWatch) -> None:
         """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
         self._window, self._window_sock = watch, sock
+        watch.begin(read_sample(sock))
 
-    def written(self) -> None:
-        """Bytes went to the transport: start looking, if the watch was idle.  Every writer of
-        ``tcp_writer`` calls this (one attribute test when the watch already looks)."""
+    def written(self, nbytes: int | None = None) -> None:
+        """``nbytes`` (None: some) went to the transport: start looking, if the watch rested --
+        unless they fit in its room, or a sample taken now finds room again (no timer of ours
+        waits in the loop meanwhile).  Every writer of ``tcp_writer`` calls this (one attribute
+        test when the watch already looks)."""
         watch = self._window
-        if watch is not None and self._window_timer is None and not self.lost and watch.wrote():
-            self._window_timer = self._loop.call_later(watch.tick, self._look)
+        if watch is None or self._window_timer is not None or self.lost:
+            return
+        if nbytes is not None and watch.state is _IDLE:
+            writer = self.tcp_writer
+            pending = writer.get_write_buffer_size() if writer is not None else 0
+            if watch.wrote_within(nbytes) or watch.resample(read_sample(self._window_sock), pending):
+                return
+        elif not watch.wrote():
+            return
+        self._window_timer = self._loop.call_later(watch.tick, self._look)
 
     def _look(self) -> None:
         self._window_timer = None
@@ -522,8 +536,12 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             writer.write(chunks[0])
         else:
             write_chunks(writer, chunks, self.fd)
-        if self._window_timer is None:
-            self.written()
+        if self._window_timer is None and (watch := self._window) is not None:
+            n = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))  # (byte views: len counts bytes)
+            if watch.state is _IDLE and watch.room > n:
+                watch.room -= n  # (WindowWatch.wrote_within, inline: they fit, nothing to do)
+            else:
+                self.written(n)
 
     def send_nowait(self, chunks: Sequence[Chunk]) -> None:
         self.write_nowait(chunks)

@@ -197,6 +197,7 @@ class StreamLink(ControlLink):
     def watch_window(self, sock: Any, watch: WindowWatch) -> None:
         """Look at ``sock`` with ``watch`` while it holds bytes for the peer."""
         self._window, self._window_sock = watch, sock
+        watch.begin(read_sample(sock))
 
     def _apply(self, step: Step) -> None:
         watch = self._window

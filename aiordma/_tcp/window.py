@@ -64,8 +64,9 @@ __all__ = ["TcpSample", "Step", "WindowWatch", "read_sample", "set_user_timeout"
 
 #: struct tcp_info (linux/tcp.h), the fields the watch reads, in one unpack: tcpi_probes and
 #: tcpi_backoff (bytes 3-4), tcpi_snd_mss (16), tcpi_unacked (24), tcpi_last_ack_recv (56),
-#: tcpi_rtt (68), tcpi_notsent_bytes (144), tcpi_snd_wnd (228)
-_FIELDS = struct.Struct("=3xBB11xI4xI28xI8xI72xI80xI")
+#: tcpi_rtt (68), tcpi_bytes_acked (120), tcpi_notsent_bytes (144), tcpi_bytes_sent (200),
+#: tcpi_bytes_retrans (208), tcpi_snd_wnd (228)
+_FIELDS = struct.Struct("=3xBB11xI4xI28xI8xI48xQ16xI52xQQ12xI")
 #: bytes of TCP_INFO asked for (tcpi_snd_wnd ends at 232: Linux 5.4 and later)
 TCP_INFO_SIZE = _FIELDS.size
 
@@ -89,6 +90,8 @@ class TcpSample(NamedTuple):
     notsent: int
     #: the peer's advertised window, bytes (``tcpi_snd_wnd``)
     window: int
+    #: bytes sent and not acknowledged (``tcpi_bytes_sent - tcpi_bytes_retrans - tcpi_bytes_acked``)
+    in_flight: int = 0
 
     @property
     def queued(self) -> bool:
@@ -107,7 +110,9 @@ class TcpSample(NamedTuple):
         return self.window_closed or (self.notsent > 0 and self.notsent + self.unacked * self.mss > self.window)
 
 
-_make = TcpSample._make
+#: the least room worth resting with (less: the watch looks; a sample per few KiB written at most)
+MIN_ROOM = 4096
+
 _IPPROTO_TCP = socket.IPPROTO_TCP
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 
@@ -116,7 +121,8 @@ def parse_sample(info: bytes) -> TcpSample | None:
     """A :class:`TcpSample` from raw ``TCP_INFO`` bytes; None if the kernel's is too short."""
     if len(info) < TCP_INFO_SIZE:
         return None
-    return TcpSample._make(_FIELDS.unpack_from(info))
+    probes, backoff, mss, unacked, last_ack, rtt, acked, notsent, sent, retrans, window = _FIELDS.unpack_from(info)
+    return TcpSample(probes, backoff, mss, unacked, last_ack, rtt, notsent, window, max(0, sent - retrans - acked))
 
 
 def read_sample(sock: Any) -> TcpSample | None:
@@ -126,9 +132,7 @@ def read_sample(sock: Any) -> TcpSample | None:
         info = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, TCP_INFO_SIZE)
     except (OSError, AttributeError, TypeError, ValueError):
         return None
-    if len(info) < TCP_INFO_SIZE:
-        return None
-    return _make(_FIELDS.unpack_from(info))
+    return parse_sample(info)
 
 
 def set_user_timeout(sock: Any, ms: int) -> bool:
@@ -183,6 +187,14 @@ class WindowWatch:
         #: how often to look while bytes are queued: well inside the kernel's own timeout
         self.tick = min(0.5, max(0.05, budget / 4))
         self.state = State.IDLE
+        #: resting (IDLE), the bytes that may still be written before the watch looks: half the
+        #: peer's window at the look that found nothing queued.  Fewer bytes than the window
+        #: cannot close it (TCP does not shrink a window it offered), so until they add up to it
+        #: the kernel's timeout is right to judge them -- and a loop without a timer of ours is
+        #: cheaper per round trip (asyncio computes its select timeout every pass while one waits).
+        #: A driver may take a write that fits out of it itself (``room -= n`` while resting and
+        #: ``n < room``): :meth:`wrote_within` without the call
+        self.room = 0
         self._seen_at: float | None = None  # when the last sample was taken
         self._backoff_at_ack = 0  # the back-off when the last ACK was seen (JUDGING)
         self._suspected_at: float | None = None  # the first look that found the peer dead
@@ -198,11 +210,52 @@ class WindowWatch:
         return self.state is State.KERNEL or self.state is State.JUDGING
 
     def wrote(self) -> bool:
-        """Bytes were written: returns whether the driver must start looking."""
+        """Bytes were written (the driver does not count them against the :attr:`room`):
+        returns whether the driver must start looking."""
         if self.state is State.IDLE:
+            self.room = 0
             self.state = State.KERNEL
             return True
         return False
+
+    def begin(self, sample: TcpSample | None) -> None:
+        """The socket as the watch finds it when it begins (resting): its room is half of what
+        the peer's window leaves (unknown: none, the first write starts the looks)."""
+        if self.state is State.IDLE and sample is not None:
+            self.room = self._free(sample) // 2
+
+    def wrote_within(self, nbytes: int) -> bool:
+        """``nbytes`` were written while the watch rests: True while they fit in its
+        :attr:`room` (nothing to do); False once it is used up -- the driver then takes a
+        sample at once for :meth:`resample`."""
+        room = self.room - nbytes
+        self.room = room
+        return room > 0
+
+    def resample(self, sample: TcpSample | None, pending: int) -> bool:
+        """The sample taken when writes used up the room, with ``pending``: the bytes the driver
+        still holds, not handed to the kernel yet (an asyncio transport's buffer -- written to
+        the socket later, by no call that counts them).  Rests again, with half of what the
+        peer's window leaves beyond all that is queued or pending as the new room (True: nothing
+        to do), or -- too little left, or the socket cannot say -- starts looking, as
+        :meth:`wrote` does (False: the driver looks every :attr:`tick`)."""
+        if self.state is State.IDLE and sample is not None:
+            room = (self._free(sample) - pending) // 2
+            if room >= MIN_ROOM:
+                self.room = room
+                return True
+        self.wrote()
+        return False
+
+    @staticmethod
+    def _free(sample: TcpSample) -> int:
+        """The bytes the peer's window takes beyond what is queued (in flight or not sent)."""
+        return max(0, sample.window - sample.in_flight - sample.notsent)
+
+    def _rest(self, sample: TcpSample) -> None:
+        """Nothing is queued: rest, with half the peer's window as the room (see :attr:`room`)."""
+        self.state = State.IDLE
+        self.room = sample.window // 2
 
     def look(self, sample: TcpSample | None, now: float) -> Step:
         """One look at the socket, at ``now`` (seconds, any monotonic clock)."""
@@ -211,11 +264,12 @@ class WindowWatch:
             return _STOP
         if sample is None:  # (the socket is gone, or the platform cannot say)
             self.state = State.IDLE
+            self.room = 0
             return _STOP
         seen_at, self._seen_at = self._seen_at, now
         if state is not State.JUDGING:
             if not sample.queued:
-                self.state = State.IDLE
+                self._rest(sample)
                 return _STOP
             if sample.window_closed:
                 self.state = State.JUDGING
@@ -240,7 +294,7 @@ class WindowWatch:
             return _STAY
         self._suspected_at = None
         if not sample.queued:
-            self.state = State.IDLE
+            self._rest(sample)
             return Step(user_timeout=True)
         if sample.unacked > 0 and sample.backoff == 0:
             self.state = State.KERNEL
