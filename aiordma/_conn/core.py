@@ -369,7 +369,7 @@ class Core:
 
     @property
     def buffered(self) -> int:
-        return len(self.rbuf) + self.messages.nbytes
+        return self.rbuf.nbytes + self.messages.nbytes
 
     @property
     def message_bytes(self) -> int:

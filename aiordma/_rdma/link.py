@@ -243,7 +243,7 @@ class RdmaLink(Link):
                 # what C counts as unread from now on: what the Core holds (the reader may have
                 # taken some since the last wake); a reader's consumed() is only needed to
                 # release credits that C withheld
-                c.unread = len(core.rbuf) + core.messages.nbytes
+                c.unread = core.rbuf.nbytes + core.messages.nbytes
                 self.needs_consumed = c.withheld != 0 or self.remote.fetch is not None
                 if core.error is not None and session.error is None:
                     session.fail(core.error)

@@ -183,7 +183,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             if core.closed:
                 core.discard()  # (lingering after our CLOSE: what comes is dropped)
             # DATA went into core.rbuf without events: check the level every time
-            elif not self._paused_reading and len(core.rbuf) + core.messages.nbytes > RECEIVE_HIGH_WATER:
+            elif not self._paused_reading and core.rbuf.nbytes + core.messages.nbytes > RECEIVE_HIGH_WATER:
                 self._pause_reading()
         listener = self.listener
         if listener is not None:
