@@ -393,13 +393,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         rbuf += data
         if not self._paused_reading and rbuf.nbytes > RECEIVE_HIGH_WATER:
             self._pause_reading()
-        fut = self._waiter  # self._wake(), inlined
-        if fut is not None:
-            self._waiter = None
-            if not fut.done():
-                fut.set_result(None)
-            if self._waiters:
-                self._wake_more()
+        self._wake()
 
     def _closing_in_order(self, transport: asyncio.Transport, done: Callable[[Exception | None], None],
                           eof_sent: bool) -> None:  # fmt: skip
