@@ -126,7 +126,41 @@ async def open_client(api: str, port: int, ctx: ssl.SSLContext | None) -> Any:
             channel.close()
             raise
         return _Messages(call, channel)
+    if api == "asyncio-streams":
+        import aiordma.asyncio as aio
+
+        reader, writer = await aio.open_connection("127.0.0.1", port, ssl=ctx, transport="tcp")
+        return _AsyncioStream(reader, writer)
     return await aiordma.connect("127.0.0.1", port, ssl=ctx, transport="tcp")
+
+
+class _AsyncioStream:
+    """``aiordma.asyncio``'s reader and writer with a stream's ``send``/``receive``/``aclose``
+    (what the canary, burst and probe clients use); ``passed``: it went unframed."""
+
+    def __init__(self, reader: Any, writer: Any) -> None:
+        self.reader, self.writer = reader, writer
+        self.passed = bool(writer.get_extra_info("aiordma_passed_through"))
+
+    async def send(self, item: bytes) -> None:
+        self.writer.write(item)
+        await self.writer.drain()
+
+    async def receive(self) -> bytes:
+        data: bytes = await self.reader.read(65536)
+        if not data:
+            raise anyio.EndOfStream
+        return data
+
+    async def aclose(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+    async def __aenter__(self) -> _AsyncioStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class _Messages:
@@ -237,7 +271,7 @@ async def serve(api: str, tlsdir: str) -> None:
                 await stop()
                 return
 
-    if api == "asyncio":
+    if api in ("asyncio", "asyncio-streams"):
         import aiordma.asyncio as aio
 
         async def on_client(reader: Any, writer: Any) -> None:
@@ -455,6 +489,8 @@ async def burst(api: str, port: int, tlsdir: str, count: int) -> None:
         try:
             with anyio.fail_after(60):
                 conn: Any = await open_client(api, port, ctx)
+                if isinstance(conn, _AsyncioStream) and ctx is None:
+                    assert conn.passed, "a plain asyncio stream did not pass through"
                 async with conn:
                     await conn.send(b"ping")
                     got = b""

@@ -5,7 +5,8 @@ a loop that runs both cannot accept faster than its clients speak, which hides e
 fails here.
 
 * 1000 clients from 4 processes connect at the same moment to a default channel listener
-  (asyncio, uvloop and trio on both sides; plain and TLS): every one is served, none refused.
+  (asyncio, uvloop and trio on both sides; plain and TLS): every one is served, none refused;
+  the same with ``aiordma.asyncio``'s streams at both ends (plain: they pass through, unframed).
   The connect-to-first-echo times are printed (p50/p99; docs/benchmarks.md has the figures).
 * 300 sockets that never speak and 300 that start and stall (a few bytes of the magic, or a
   whole HELLO and then nothing), from another process and reopened as they are dropped: a
@@ -33,8 +34,8 @@ from ._listener_proc import Proc
 LOOPS = ["asyncio", "uvloop", "trio"]
 
 
-def _serve(loop: str, tdir: str) -> tuple[Proc, int]:
-    server = Proc("serve", loop, "channel", tdir)
+def _serve(loop: str, tdir: str, api: str = "channel") -> tuple[Proc, int]:
+    server = Proc("serve", loop, api, tdir)
     first = server.line()
     assert first.startswith("PORT "), first
     return server, int(first.split()[1])
@@ -45,14 +46,19 @@ def _drops(log: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_burst_from_four_processes_is_served_whole(loop: str, tls: bool, tlsdir: str) -> None:
+@pytest.mark.parametrize(
+    "loop, tls, api",
+    [(loop, tls, "channel") for loop in LOOPS for tls in (False, True)]
+    # aiordma.asyncio's streams at both ends: plain, they pass through (each client checks it)
+    + [(loop, tls, "asyncio-streams") for loop in ("asyncio", "uvloop") for tls in (False, True)],
+    ids=lambda v: v if isinstance(v, str) else ("tls" if v else "plain"),
+)
+def test_a_burst_from_four_processes_is_served_whole(loop: str, tls: bool, api: str, tlsdir: str) -> None:
     tdir = tlsdir if tls else "-"
-    server, port = _serve(loop, tdir)
+    server, port = _serve(loop, tdir, api)
     clients: list[Proc] = []
     try:
-        clients = [Proc("burst", loop, "channel", str(port), tdir, "250") for _ in range(4)]
+        clients = [Proc("burst", loop, api, str(port), tdir, "250") for _ in range(4)]
         for c in clients:
             assert c.line(60) == "READY"
         for c in clients:
@@ -67,7 +73,7 @@ def test_a_burst_from_four_processes_is_served_whole(loop: str, tls: bool, tlsdi
     assert failed == 0, f"{failed} of 1000 failed: {[r['errors'] for r in reports if r['errors']]}; {_drops(log)[:5]}"
     assert len(times) == 1000
     p50, p99 = statistics.median(times), times[int(len(times) * 0.99) - 1]
-    print(f"\nburst {loop} {'tls' if tls else 'plain'}: 1000 clients from 4 processes, connect to first echo "
+    print(f"\nburst {loop} {api} {'tls' if tls else 'plain'}: 1000 clients from 4 processes, connect to first echo "
           f"p50 {p50:.3f} s, p99 {p99:.3f} s, max {times[-1]:.3f} s")  # fmt: skip
     assert not _drops(log), _drops(log)[:5]
 
