@@ -113,7 +113,10 @@ async def measure_two_processes(
     cmd = [sys.executable, __file__, "--serve", transport, "--loop", backend]
     async with await anyio.open_process(cmd) as process:
         assert process.stdout is not None and process.stdin is not None
-        line = (await process.stdout.receive()).decode().split()
+        head = b""
+        while b"\n" not in head:  # (a pipe may hand the line over in pieces)
+            head += await process.stdout.receive()
+        line = head.decode().split()
         try:
             return await client(host, transport, (int(line[0]), int(line[1])), round_trips, megabytes, connects)
         finally:
