@@ -27,7 +27,7 @@ SERVER = r"""
 import sys, anyio, aiordma
 from aiordma import RdmaBackend, RdmaConfig
 async def main():
-    backend = RdmaBackend(RdmaConfig(poll=sys.argv[3]))
+    backend = RdmaBackend(RdmaConfig(poll=sys.argv[3], liveness_probe=float(sys.argv[5])))
     async with await aiordma.create_channel_listener(sys.argv[1], 0, transport=sys.argv[2],
                                                      rdma_backend=backend) as lst:
         print(lst.port, flush=True)
@@ -47,8 +47,9 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _client(host: str, port: int, transport: str, poll: str, n: int, seconds: float, server_pid: int) -> tuple[float, float, str]:
-    backend = RdmaBackend(RdmaConfig(poll=poll))
+async def _client(host: str, port: int, transport: str, poll: str, n: int, seconds: float, server_pid: int,
+                  liveness: float) -> tuple[float, float, str]:  # fmt: skip
+    backend = RdmaBackend(RdmaConfig(poll=poll, liveness_probe=liveness))
     channels = [await aiordma.connect_channel(host, port, transport=transport, rdma_backend=backend) for _ in range(n)]
     try:
         for ch in channels:
@@ -71,21 +72,25 @@ def main() -> None:
     parser.add_argument("--poll", default="event,adaptive,busy")
     parser.add_argument("--connections", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--liveness", type=float, default=RdmaConfig.liveness_probe,
+                        help="RdmaConfig.liveness_probe at both ends (0: no probes; default %(default)s s)")
     args = parser.parse_args()
     host = args.host
     if host is None:
         from aiordma.testing import rdma_address
 
         host = rdma_address() or "127.0.0.1"
-    print(f"idle CPU, {args.connections} open idle connections for {args.seconds:.0f} s, {args.transport} on {host}")
+    print(f"idle CPU, {args.connections} open idle connections for {args.seconds:.0f} s, {args.transport} on {host}, "
+          f"liveness probe {args.liveness} s")
     for poll in args.poll.split(","):
-        server = subprocess.Popen([sys.executable, "-c", SERVER, host, args.transport, poll, str(args.seconds + 60)],
+        server = subprocess.Popen([sys.executable, "-c", SERVER, host, args.transport, poll, str(args.seconds + 60),
+                                   str(args.liveness)],
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
             client, srv, got = anyio.run(_client, host, port, args.transport, poll, args.connections, args.seconds,
-                                         server.pid)  # fmt: skip
+                                         server.pid, args.liveness)  # fmt: skip
             print(f"  {poll:9} client {client * 100:6.2f}% of a core   server {srv * 100:6.2f}%   ({got})")
         finally:
             server.kill()
