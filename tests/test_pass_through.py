@@ -330,27 +330,40 @@ async def test_a_server_in_another_process_echoes_a_megabyte_and_the_end(anyio_b
         proc.wait()
 
 
-READER = textwrap.dedent(
+STREAM_PEER = textwrap.dedent(
     """
-    import asyncio, hashlib, sys, time
+    import asyncio, hashlib, socket, struct, sys
     import aiordma.asyncio as aa
 
-    async def main(pause):
+    async def main(how, pause):
         done = asyncio.Event()
 
         async def handle(reader, writer):
             print("passed" if writer.get_extra_info("aiordma_passed_through") else "framed", flush=True)
-            await asyncio.sleep(pause)  # (the kernel's buffers fill: the sender's close must wait)
-            data = await reader.read()
-            print(len(data), hashlib.sha256(data).hexdigest(), flush=True)
-            writer.close()
+            if how == "pause":  # pause, then read to the end (the kernel's buffers fill meanwhile)
+                await asyncio.sleep(pause)
+                data = await reader.read()
+                print(len(data), hashlib.sha256(data).hexdigest(), flush=True)
+                writer.close()
+            elif how == "reset":
+                writer.write(b"partial")
+                await writer.drain()
+                await reader.readexactly(2)  # (the client has the bytes)
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()  # (a reset, not an end in order)
+            else:  # hold: read to the end, then keep the connection open, never closing it
+                data = await reader.read()
+                print(len(data), flush=True)
+                await asyncio.sleep(30)
             done.set()
 
-        server = await aa.start_server(handle, "127.0.0.1", 0, transport="tcp", pass_through=True, keepalive=1.0)
+        keepalive = {"keepalive": 1.0} if how == "pause" else {}  # (a pause longer than its budget)
+        server = await aa.start_server(handle, "127.0.0.1", 0, transport="tcp", **keepalive)
         print(server.sockets[0].getsockname()[1], flush=True)
         await done.wait()
 
-    asyncio.run(main(float(sys.argv[1])))
+    asyncio.run(main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
     """
 )
 
@@ -367,8 +380,8 @@ async def test_streams_pass_through_and_a_close_waits_for_a_reader_that_pauses(a
     import time
 
     pause = 3.0
-    proc = subprocess.Popen([sys.executable, "-c", READER, str(pause)], stdout=subprocess.PIPE, text=True,
-                            cwd=os.getcwd())  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", STREAM_PEER, "pause", str(pause)], stdout=subprocess.PIPE,
+                            text=True, cwd=os.getcwd())  # fmt: skip
     try:
         assert proc.stdout is not None
         port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
@@ -378,7 +391,7 @@ async def test_streams_pass_through_and_a_close_waits_for_a_reader_that_pauses(a
         payload = os.urandom(48 << 20)  # (far more than the two kernels take while the reader pauses)
         t0 = time.monotonic()
         writer.write(payload)
-        await anyio.sleep(pause / 2)  # (bytes unacknowledged a while before the close: no watch looks)
+        await anyio.sleep(pause / 2)  # (bytes unacknowledged a while before the close: the watch looks)
         writer.close()
         with anyio.fail_after(60):
             await writer.wait_closed()
@@ -389,38 +402,6 @@ async def test_streams_pass_through_and_a_close_waits_for_a_reader_that_pauses(a
     finally:
         proc.kill()
         proc.wait()
-
-
-STREAM_PEER = textwrap.dedent(
-    """
-    import asyncio, socket, struct, sys
-    import aiordma.asyncio as aa
-
-    async def main(how):
-        done = asyncio.Event()
-
-        async def handle(reader, writer):
-            print("passed" if writer.get_extra_info("aiordma_passed_through") else "framed", flush=True)
-            if how == "reset":
-                writer.write(b"partial")
-                await writer.drain()
-                await reader.readexactly(2)  # (the client has the bytes)
-                sock = writer.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()  # (a reset, not an end in order)
-            else:  # hold: read to the end, then keep the connection open, never closing it
-                data = await reader.read()
-                print(len(data), flush=True)
-                await asyncio.sleep(30)
-            done.set()
-
-        server = await aa.start_server(handle, "127.0.0.1", 0, transport="tcp")
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await done.wait()
-
-    asyncio.run(main(sys.argv[1]))
-    """
-)
 
 
 @pytest.mark.anyio

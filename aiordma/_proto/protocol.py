@@ -425,7 +425,8 @@ class Connection:
     @property
     def passed_through(self) -> bool:
         """Both sides offered it and TCP was selected: the data flows unframed from the byte
-        after the SELECT on (the owner hands the TCP connection over; see :meth:`take_passed`)."""
+        after the SELECT on (the owner hands the TCP connection over, or carries it on unframed;
+        see :meth:`take_passed`)."""
         return self.state is State.PASSED_THROUGH
 
     def take_passed(self) -> bytes:

@@ -341,16 +341,12 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         transport = self.tcp_writer
         if transport is None or not self._proto.passed_through:
             raise RuntimeError("the connection did not pass through")
-        if self._window_timer is not None:
-            self._window_timer.cancel()
-            self._window_timer = None
-        sock, watch = self._window_sock, self._window
-        self._window = self._window_sock = None
+        sock, watch = self._take_watch()
         self.listener = self.write_listener = None
         self._on_made = None
         first = self._proto.take_passed()
         self.core.closed = True  # (nothing reads or writes through the Core any more)
-        if sock is not None:
+        if watch is not None:  # (keepalive set the user timeout)
             # no watch looks at the window any more: the user timeout must not end a connection
             # whose reader only paused (keepalive probes still find a dead host while idle; with
             # bytes unacknowledged TCP's retransmission timeout does, as for asyncio's transport)
@@ -359,7 +355,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             transport.set_protocol(protocol)
 
         def close_in_order(done: Callable[[Exception | None], None]) -> None:
-            _ClosingInOrder(transport, sock or transport.get_extra_info("socket"), watch, self._loop, done).start()
+            _ClosingInOrder(transport, sock, watch, self._loop, done).start()
 
         return PassedThrough(transport, first, self._passed_eof, self.lost, self._lost_error, self._paused_reading,
                              close_in_order)  # fmt: skip
@@ -398,14 +394,21 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     def _closing_in_order(self, transport: asyncio.Transport, done: Callable[[Exception | None], None],
                           eof_sent: bool) -> None:  # fmt: skip
         """Unframed: close in order (:class:`_ClosingInOrder`, the window watch going with it)."""
+        sock, watch = self._take_watch()
+        self._paused_reading = self.needs_consumed = False  # (the close reads on: see _ClosingInOrder)
+        _ClosingInOrder(transport, sock, watch, self._loop, done, eof_sent=eof_sent).start()
+
+    def _take_watch(self) -> tuple[Any, WindowWatch | None]:
+        """The socket and the window watch, for a close in order that takes them over: this
+        link's looks stop (the socket is the transport's, if no watch had it)."""
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
         sock, watch = self._window_sock, self._window
         self._window = self._window_sock = None
-        self._paused_reading = self.needs_consumed = False  # (the close reads on: see _ClosingInOrder)
-        _ClosingInOrder(transport, sock or transport.get_extra_info("socket"), watch, self._loop, done,
-                        eof_sent=eof_sent).start()  # fmt: skip
+        if sock is None and self.tcp_writer is not None:
+            sock = self.tcp_writer.get_extra_info("socket")
+        return sock, watch
 
     def _closed_in_order(self, error: Exception | None) -> None:
         """Unframed, closing in order: done (``error``: why the peer may not have everything)."""

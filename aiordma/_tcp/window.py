@@ -187,9 +187,10 @@ class WindowWatch:
         #: how often to look while bytes are queued: well inside the kernel's own timeout
         self.tick = min(0.5, max(0.05, budget / 4))
         self.state = State.IDLE
-        #: resting (IDLE), the bytes that may still be written before the watch looks: half the
-        #: peer's window at the look that found nothing queued.  Fewer bytes than the window
-        #: cannot close it (TCP does not shrink a window it offered), so until they add up to it
+        #: resting (IDLE), the bytes that may still be written before the watch looks: half of
+        #: what the peer's window left beyond everything queued at the last sample (:meth:`begin`,
+        #: :meth:`resample`, a look that found nothing queued).  Fewer bytes than that cannot
+        #: close the window (TCP does not shrink a window it offered), so until they add up to it
         #: the kernel's timeout is right to judge them -- and a loop without a timer of ours is
         #: cheaper per round trip (asyncio computes its select timeout every pass while one waits).
         #: A driver may take a write that fits out of it itself (``room -= n`` while resting and
@@ -255,7 +256,7 @@ class WindowWatch:
     def _rest(self, sample: TcpSample) -> None:
         """Nothing is queued: rest, with half the peer's window as the room (see :attr:`room`)."""
         self.state = State.IDLE
-        self.room = sample.window // 2
+        self.room = self._free(sample) // 2
 
     def look(self, sample: TcpSample | None, now: float) -> Step:
         """One look at the socket, at ``now`` (seconds, any monotonic clock)."""
