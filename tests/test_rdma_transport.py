@@ -19,7 +19,7 @@ import sys
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -31,6 +31,7 @@ import aiordma
 from aiordma import RdmaBackend, RdmaConfig, TransportAttribute
 from aiordma._rdma import RdmaSetupError
 from aiordma._rdma.device import open_devices
+from aiordma._rdma.liveness import ProbePlan
 from aiordma._rdma.params import RdmaParams
 
 from ._leaks import no_fd_leak
@@ -724,6 +725,70 @@ async def test_an_idle_reader_probes_its_live_peer_rarely(anyio_backend: Any, en
         with anyio.fail_after(5):
             while watch in link.device.liveness:  # nobody waits: the next look drops it
                 await anyio.sleep(0.05)
+
+
+@pytest.mark.paced
+async def test_idle_readers_to_one_peer_host_share_its_probes(anyio_backend: Any, env: Env,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Four readers wait on four idle connections to one peer host: the device probes the path
+    (our GID, the peer's), not each connection -- a second of waiting costs about as many probes
+    as one connection's (0.05, 0.1, 0.2, 0.4 s), and they take turns.  Then (on the simulated
+    wire) the peer host dies -- every QP of its side vanishes -- and every reader fails within a
+    second, naming the probe: the first failure makes the path suspect and the others are
+    probed at once, in one look (on this wire a failure is instant; a NIC takes its retry
+    budget for each, so one after another would take that many budgets)."""
+    cfg = RdmaConfig(liveness_probe=0.05)
+    looks: list[int] = []  # how many connections each look of the plan probed
+    real_tick = ProbePlan.tick
+
+    def tick(self: ProbePlan[Any], now: float, look: Any) -> list[Any]:
+        probed = real_tick(self, now, look)
+        if probed:
+            looks.append(len(probed))
+        return probed
+
+    monkeypatch.setattr(ProbePlan, "tick", tick)
+    async with no_fd_leak(), AsyncExitStack() as stack:
+        pairs = [await stack.enter_async_context(stream_pair_on(env, server_config=cfg)) for _ in range(4)]
+        probes: list[int] = []
+        for i, (_a, b) in enumerate(pairs):
+            watch = _link(b).watch
+            real = watch.probe_liveness
+
+            def counted(i: int = i, real: Callable[[], None] = real) -> None:
+                probes.append(i)
+                real()
+
+            watch.probe_liveness = counted
+        outcome: list[BaseException | None] = []
+        done = [anyio.Event() for _ in pairs]
+
+        async with anyio.create_task_group() as tg:
+            for (_a, b), ended in zip(pairs, done):
+                tg.start_soon(_recorded, b.receive, outcome, ended)
+            await anyio.sleep(1.0)
+            assert all(_link(b).watch in _link(b).device.liveness for _a, b in pairs)  # (all wait)
+            assert 2 <= len(probes) <= 6, probes  # one connection alone makes 2-5
+            assert len(set(probes)) == len(probes), probes  # (in turn)
+            if env.fabric is None:
+                for a, _b in pairs:
+                    await a.send(b"late")
+            else:
+                for a, _b in pairs:  # the peer host dies: all of its QPs vanish
+                    env.fabric.kill_qp(_link(a).qp_num)
+            before = len(looks)
+            t0 = time.monotonic()
+            with anyio.fail_after(5):
+                for ended in done:
+                    await ended.wait()
+            took = time.monotonic() - t0
+        if env.fabric is None:
+            assert outcome == [None] * 4
+        else:
+            assert took < 1.5, took
+            assert len(outcome) == 4 and all(isinstance(exc, BrokenResourceError) for exc in outcome), outcome
+            assert any("probe" in str(exc) for exc in outcome), outcome
+            assert looks[before:][:2] == [1, 3], looks  # one probe fails: the three others at once
 
 
 async def test_many_connections_share_one_device(anyio_backend: Any, env: Env) -> None:

@@ -80,7 +80,8 @@ class RdmaConfig:
     #: within the retry budget, and the waiting tasks get ``BrokenResourceError`` within about a
     #: second instead of at the TCP keepalive.  The gap doubles after each probe the peer
     #: answered (at most 8 s) and starts over on progress.  The device looks at each waiting
-    #: connection once per gap (:mod:`aiordma._rdma.liveness`).  0: never.
+    #: connection once per gap and probes per path -- one peer host through one port -- not per
+    #: connection (:mod:`aiordma._rdma.liveness`).  0: never.
     liveness_probe: float = 0.05
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .objects import CompletionChannel, CompletionQueue, Context, Domain, Region, WorkCompletions
@@ -104,6 +104,11 @@ class Watched(Protocol):
     """A connection in the device's liveness plan (``watch.PeerWatch``)."""
 
     def __hash__(self) -> int: ...
+
+    @property
+    def liveness_path(self) -> Hashable:
+        """Its path: (our GID, the peer's GID) -- the plan probes per path."""
+        ...
 
     def liveness_mark(self) -> int | None:
         """Its progress mark while a task waits on it, else None (it leaves the plan)."""
@@ -284,20 +289,30 @@ class Device:
 
     def watch_liveness(self, link: Watched, gap: float, mark: int) -> None:
         """A task started to wait on ``link`` (``gap``: its ``liveness_probe`` > 0; ``mark``: its
-        progress mark now): the timer looks at it (``link.liveness_mark()``) and probes it
-        (``link.probe_liveness()``) when it went silent."""
+        progress mark now): the timer looks at its path (``link.liveness_mark()`` of each of the
+        path's waiting connections) and probes it (``link.probe_liveness()``) when the path went
+        silent."""
         if self.closed:
             return
         now = self.io.clock()
-        due = self.liveness.add(link, gap, mark, now)
+        due = self.liveness.add(link, link.liveness_path, gap, mark, now)
         if self._liveness_timer is None or due < self._liveness_due:
             self._arm_liveness(due, now)
 
-    def unwatch_liveness(self, link: Watched) -> None:
+    def unwatch_liveness(self, link: Watched, failed: bool = False) -> None:
+        """``link`` leaves the plan (if it is in it): closed, or ``failed`` -- its path is then
+        suspect: the path's waiting connections are probed at once."""
+        now = self.io.clock()
         self.liveness.discard(link)
-        if not self.liveness and self._liveness_timer is not None:
-            self._liveness_timer.close()
-            self._liveness_timer = None
+        if failed:
+            self.liveness.suspect(link.liveness_path, now)
+        due = self.liveness.next_due()
+        if due is None:
+            if self._liveness_timer is not None:
+                self._liveness_timer.close()
+                self._liveness_timer = None
+        elif not self.closed and (self._liveness_timer is None or due < self._liveness_due):
+            self._arm_liveness(due, now)
 
     def _arm_liveness(self, due: float, now: float) -> None:
         if self._liveness_timer is not None:

@@ -359,6 +359,7 @@ class RdmaLink(Link):
             qp.to_error()
         except (RDMAError, OSError) as exc:
             log.warning("aiordma: moving the failed connection's QP to ERROR: %s", exc)
+        self.watch.failed()  # (its path is suspect: the device probes the path's waiting connections)
 
     @property
     def active(self) -> bool:
@@ -512,6 +513,13 @@ class RdmaLink(Link):
     @property
     def waiters(self) -> int:
         return len(self._parking)
+
+    @property
+    def path(self) -> tuple[bytes, bytes]:
+        """(our GID, the peer's GID): one peer host through one port (the liveness plan's unit)."""
+        entry, peer = self.res.gid_entry, self.res.peer
+        assert entry is not None and peer is not None, "the link is not connected"
+        return entry.gid.packed, peer.gid
 
     # the non-blocking API (aiordma._conn.nowait.NowaitLink: asyncio's front ends) ------------
 

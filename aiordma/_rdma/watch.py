@@ -12,8 +12,9 @@ Theory of operation
   connection waits for it over RDMA (bounded by ``RdmaConfig.close_timeout``) and never fails
   for the TCP end that follows.
 * **Liveness probes** (``RdmaConfig.liveness_probe`` > 0): while a task waits on the connection,
-  the device's plan (:mod:`aiordma._rdma.liveness`) looks at its progress mark; after a silent
-  gap it posts a zero-length RDMA WRITE.  A live peer's NIC answers it whatever its application
+  the device's plan (:mod:`aiordma._rdma.liveness`) looks at its progress mark; after a gap in
+  which no connection of its path (the same peer host through the same port) made progress, it
+  posts a zero-length RDMA WRITE on one of them.  A live peer's NIC answers it whatever its application
   does (a slow reader is never mistaken for a dead one); a dead host fails it within the RC
   retry budget, which fails the connection and wakes every waiter.
 """
@@ -60,6 +61,11 @@ class WatchedLink(Protocol):
         """Tasks parked on the link."""
         ...
 
+    @property
+    def path(self) -> tuple[bytes, bytes]:
+        """(our GID, the peer's GID) once connected: the liveness plan probes per path."""
+        ...
+
     def want_sends(self) -> bool: ...
 
     def unwant_sends(self, wanted: bool) -> None: ...
@@ -90,12 +96,14 @@ class PeerWatch:
         #: liveness probes are on (``RdmaConfig.liveness_probe``), and we are in the device's plan
         self.probing = link.config.liveness_probe > 0
         self.watched = False
+        self._started = False  # the link carries the Core (it has a path and a Core)
 
     # -- the TCP connection ----------------------------------------------------------------
 
     def start(self, control: ControlLink) -> None:
         """RDMA carries the Core from now on: watch what the TCP connection still carries."""
         self._control = control.hand_over(self._link.io, self.on_control)
+        self._started = True
 
     def on_control(self, data: bytes | None) -> None:
         """The TCP connection carried ``data`` after the switch, or ended (``None``)."""
@@ -180,6 +188,11 @@ class PeerWatch:
             self.watched = True
             device.watch_liveness(self, link.config.liveness_probe, int(session.progress))
 
+    @property
+    def liveness_path(self) -> tuple[bytes, bytes]:
+        """Our path (the plan probes per path: one peer host through one port)."""
+        return self._link.path
+
     def liveness_mark(self) -> int | None:
         """The plan's look: our progress mark (bytes received and posted) while a task waits,
         else None (we leave the plan until a task waits again)."""
@@ -211,6 +224,15 @@ class PeerWatch:
             # (a failed probe must wake the poller: its completion is not solicited)
             self._probe_wanted = link.want_sends()
 
+    def failed(self) -> None:
+        """The connection failed (its QP goes to ERROR): it leaves the plan, and its path is
+        suspect -- the device probes the path's other waiting connections at once, so a dead host
+        fails all of them within one retry budget."""
+        device = self._link.device
+        if device is not None and self._started:
+            self.watched = False
+            device.unwatch_liveness(self, failed=True)
+
     # -- teardown ------------------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -221,7 +243,7 @@ class PeerWatch:
             self._goodbye_timer.close()
             self._goodbye_timer = None
         device = link.device
-        if device is not None:
+        if device is not None and self._started:
             self.watched = False
             device.unwatch_liveness(self)
         if self._probe_wanted:
