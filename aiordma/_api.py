@@ -73,7 +73,13 @@ class _Guard:
 
 
 def _registered_view(item: Any) -> Any:
-    """``send`` also takes registered memory (a RegisteredBuffer, a register() handle)."""
+    """``send`` also takes registered memory (a RegisteredBuffer, a register() handle).
+
+    Over RDMA (the native path) a send from registered memory of at least the rendezvous
+    threshold is zero copy: the peer READs the caller's pages, which are the NIC's until ``send`` returns (at the
+    peer's RNDV_DONE).  Cancelled before that, the memory is the caller's again when ``send``
+    raises and the connection fails (what was announced can no longer be READ): see
+    docs/architecture.md, "Rendezvous", step 5."""
     if isinstance(item, RegisteredMemory):
         return item.view
     raise TypeError(f"send() takes bytes, not {type(item).__name__}")

@@ -555,3 +555,125 @@ def test_a_registered_buffer_left_by_an_error_keeps_the_error_and_its_registrati
     buf.close()
     assert buf.closed
     buf.close()  # idempotent
+
+
+# -- the sender's zero copy: registered memory lent to the peer's READ -------------------------
+
+
+async def test_a_registered_send_is_read_from_the_callers_memory(anyio_backend: Any, kind: str) -> None:
+    """A ``RegisteredBuffer`` (or a view inside one) larger than a SEND slot is lent to the peer's
+    READ where it lies: nothing is staged, the memory is the NIC's -- it cannot be closed -- and
+    ``send`` returns only once the peer READ it all (its RNDV_DONE); READ into the receiver's
+    registered memory, no byte is copied on either side.  Elsewhere (TCP, MEMORY frames) the same
+    program gets the same bytes."""
+    async with channels(kind) as (a, b):
+        with RegisteredBuffer(3 << 20) as reg:
+            reg[:] = os.urandom(len(reg))
+            for start, n in ((None, len(reg)), (100, 1 << 20)):
+                expected = bytes(reg[start or 0 : (start or 0) + n])
+                sent = anyio.Event()
+                staged = aiordma.memory_stats().staged_bytes
+
+                async def send(start: int | None = start, n: int = n, sent: anyio.Event = sent) -> None:
+                    if start is None:
+                        await a.send(reg)  # type: ignore[arg-type]  # (send takes registered memory)
+                    else:
+                        with memoryview(reg) as whole, whole[start : start + n] as view:
+                            await a.send(view)
+                    sent.set()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(send)
+                    await anyio.sleep(0.3)
+                    if _on_the_nic(kind):
+                        assert not sent.is_set(), "send returned before the peer READ it"
+                        assert a._core.nic.rndv_staged == 0 and a._core.memory._next_mid > 1  # lent, not staged
+                        with pytest.raises(aiordma.BufferBusyError):
+                            reg.close()  # (the NIC's until the send returns)
+                    with RegisteredBuffer(4 << 20) as landing:  # (READ straight in: nothing staged)
+                        assert await b.receive_into(landing) == n
+                        assert landing[:n] == expected
+                    with anyio.fail_after(10):
+                        await sent.wait()
+                if _on_the_nic(kind):
+                    assert aiordma.memory_stats().staged_bytes == staged  # memory to memory, no copy
+
+
+async def test_a_cancelled_zero_copy_send_gives_the_memory_back_at_once(anyio_backend: Any, kind: str) -> None:
+    """Cancel a lent send after 0, 1, 2, ... scheduler rounds while the peer does not read: the
+    memory is the caller's again when ``send`` raises (it can be closed at once -- no paused
+    reader holds it).  Cancelled before its announcement nothing was sent and the connection
+    goes on; after it, the peer can no longer READ what was announced, so the connection fails
+    at both ends -- never a message cut or made of other bytes."""
+    if not _on_the_nic(kind):
+        pytest.skip("only the native path lends memory (elsewhere a registered send is copied)")
+    outcomes: set[str] = set()
+    for rounds in range(0, 10, 3):
+        async with channels(kind) as (a, b):
+            reg = RegisteredBuffer(1 << 20)
+            reg[:] = os.urandom(len(reg))
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_after, scope, rounds)
+                    await a.send(reg)  # type: ignore[arg-type]  # (send takes registered memory)
+            assert scope.cancelled_caught  # (nobody reads: it cannot have been READ)
+            reg.close()  # the caller's again: no BufferBusyError, unmapped now
+            with anyio.fail_after(10):
+                if a._core.memory._next_mid == 1:  # cancelled before the announcement
+                    outcomes.add("absent")
+                    await a.send(b"after")
+                    assert await b.receive() == b"after"
+                else:
+                    outcomes.add("failed")
+                    with pytest.raises(anyio.BrokenResourceError, match="zero-copy send was cancelled"):
+                        await a.send(b"after")
+                    with pytest.raises(anyio.BrokenResourceError):
+                        await b.receive()
+    assert outcomes == {"absent", "failed"}, outcomes
+
+
+async def test_a_peer_that_closes_without_reading_ends_a_lent_send(anyio_backend: Any, kind: str) -> None:
+    """The peer closes with our lent message unread: ``send`` raises ``BrokenResourceError``
+    (it was not delivered) and the memory is ours again."""
+    async with channels(kind) as (a, b):
+        with RegisteredBuffer(1 << 20) as reg:
+            async with anyio.create_task_group() as tg:
+
+                async def close_b() -> None:
+                    await anyio.sleep(0.3)
+                    await b.aclose()
+
+                tg.start_soon(close_b)
+                with anyio.fail_after(10):
+                    if _on_the_nic(kind):
+                        with pytest.raises(anyio.BrokenResourceError):
+                            await a.send(reg)  # type: ignore[arg-type]  # (send takes registered memory)
+                    else:
+                        await a.send(reg)  # type: ignore[arg-type]  # (copied: gone before the peer closes)
+            reg.close()  # (not busy)
+
+
+async def test_large_registered_stream_writes_are_lent_in_pieces(anyio_backend: Any, kind: str) -> None:
+    """A byte stream writes from registered memory: lent (zero copy) in pieces, every byte in
+    order with small writes around it; nothing staged on the sender."""
+    async with streams(kind, config={"rendezvous": RNDV}) as (a, b):
+        with RegisteredBuffer(5 << 20) as reg:
+            reg[:] = os.urandom(len(reg))
+            expected = b"head" + bytes(reg) + b"tail"
+            got = bytearray()
+            async with anyio.create_task_group() as tg:
+
+                async def sender() -> None:
+                    await a.send(b"head")
+                    await a.send(reg)  # type: ignore[arg-type]  # (send takes registered memory)
+                    if _on_the_nic(kind):
+                        assert a._core.nic.rndv_staged == 0 and a._core.memory._next_mid > 1  # lent
+                    await a.send(b"tail")
+
+                tg.start_soon(sender)
+                buf = bytearray(1 << 20)
+                with anyio.fail_after(30):
+                    while len(got) < len(expected):
+                        n = await b.receive_into(buf)
+                        got += buf[:n]
+            assert got == expected

@@ -64,6 +64,7 @@ from .._proto.protocol import (
     Mode,
 )
 from .._proto.receiving import SpareMessage, StreamBuffer
+from .memory import find_registered
 
 __all__ = ["Core", "Link", "ControlLink", "NicOps", "NicRegion"]
 
@@ -192,7 +193,27 @@ class NicOps(Protocol):
         """Message ``mid`` was announced: its region stays granted until the peer's RNDV_DONE."""
 
     def rndv_release(self, mid: int) -> None:
-        """The peer READ message ``mid`` (its RNDV_DONE): the grant dies, the region may be reused."""
+        """The peer READ message ``mid`` (its RNDV_DONE): the grant dies, the region may be reused
+        -- or, for a loan, the caller's memory is the caller's again."""
+
+    async def rndv_lend(self, view: memoryview) -> NicExposure | None:
+        """Let the peer READ ``view`` where it lies -- inside the caller's registered memory --
+        through this connection only (zero copy): the loan to announce (its ``addr``, ``rkey``),
+        or None when ``view`` is not inside registered memory (it is staged then).  The memory
+        cannot be closed while the loan is out."""
+        ...
+
+    def rndv_hold_lent(self, mid: int, lent: NicExposure) -> None:
+        """Message ``mid`` was announced from a loan: it stays out until the peer's RNDV_DONE."""
+
+    def rndv_lent_out(self, mid: int) -> bool:
+        """Whether message ``mid``'s loan is still out (no RNDV_DONE yet, no teardown)."""
+        ...
+
+    def rndv_take_back(self, lent: NicExposure, mid: int | None = None) -> None:
+        """End a loan before the peer's RNDV_DONE (``mid``: its announced message): the grant dies
+        now and the memory is the caller's again.  An announced message can then not be READ:
+        the connection fails."""
 
 
 class NicExposure(Protocol):
@@ -230,7 +251,8 @@ class Core:
         self.before_send, self.after_send = send_points()
         #: one-sided memory (created on first use, see aiordma._proto.onesided)
         self._memory: OneSided | None = None
-        #: messages of at least this many bytes go by rendezvous (the RDMA link sets it)
+        #: messages of at least this many bytes go by rendezvous (the RDMA link sets it): lent
+        #: where they lie when that is the caller's registered memory, else staged
         self.rndv_min = 1 << 62
         #: one-sided operations on the NIC, rendezvous (the RDMA link's native path sets it)
         self.nic: NicOps | None = None
@@ -545,7 +567,7 @@ class Core:
         await self.before_send()  # a cancel point: a cancelled scope sends nothing
         if self.closed or self.error is not None or self.peer_close is not None or self.proto.send_half is not _OPEN:
             self.check_send()
-        if len(data) >= self.rndv_min:  # (a link that can stage it: rndv_min is set then)
+        if len(data) >= self.rndv_min:  # (a link that can READ-rendezvous: rndv_min is set then)
             await self._send_rendezvous(self._nic(), data)
         else:
             if self.proto.mode is Mode.MESSAGES:
@@ -561,16 +583,65 @@ class Core:
 
     # -- rendezvous: large messages by RDMA READ (the NIC's: ``Core.nic``) --------------------------
 
-    async def _send_rendezvous(self, nic: NicOps, data: bytes | bytearray | memoryview) -> None:
-        """Stage ``data`` in a region the peer may READ and announce it in the message's place.
+    async def _lend_and_announce(self, nic: NicOps, view: memoryview) -> None:
+        """Zero copy: the peer READs ``view`` from the caller's registered memory, through this
+        connection's QP only; this returns once the peer's RNDV_DONE says it has everything.
 
-        One copy (into the staging region; the caller's buffer is free when this returns); the
-        receiver READs it straight into its buffer.  The region is granted to the peer, through
-        this connection's QP only, until its RNDV_DONE (then the grant dies); at most
-        ``nic.rndv_limit`` bytes are staged at once (this waits beyond)."""
+        **Ownership**: the memory is the NIC's from the announcement until this returns -- the
+        caller must not write it meanwhile, and cannot close it (``BufferBusyError``).  When this
+        returns (also by an error), the grant is dead and the memory is the caller's again.
+        **Cancelled** before the peer READ it all, the grant dies at once (the caller gets its
+        memory back now, not when a paused reader gets to it) and, since the peer can no longer
+        READ what was announced, the connection fails (``BrokenResourceError`` for its other
+        users, a failure at the peer) -- as a cancelled ``aclose`` aborts.  Send ``bytes`` (staged:
+        one copy) where a send must be cancellable without that.  A byte stream lends in pieces
+        (``STREAM_RENDEZVOUS_MAX``), all announced at once."""
+        n = view.nbytes
+        proto = self.proto
+        if proto.mode is Mode.MESSAGES:
+            if n > proto.peer_max_message:
+                raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")
+            piece = max(n, 1)
+        else:
+            piece = STREAM_RENDEZVOUS_MAX
+        out: list[tuple[int, NicExposure]] = []
+        try:
+            for pos in range(0, n, piece):
+                lent = await nic.rndv_lend(view[pos : pos + piece])
+                assert lent is not None  # (inside registered memory: find_registered said so)
+                try:
+                    self.check_send()  # (the peer may have closed while the grant was made)
+                except BaseException:
+                    nic.rndv_take_back(lent)
+                    raise
+                mid, payload = self.memory.rendezvous(min(piece, n - pos), lent.addr, lent.rkey)
+                nic.rndv_hold_lent(mid, lent)
+                out.append((mid, lent))
+                await self.link.send([self.proto.send_memory(payload)])
+            while any(nic.rndv_lent_out(mid) for mid, _ in out):
+                self.check_send()  # (failed, or the peer closed without READing it: raises)
+                await self.link.incoming()
+        except BaseException:
+            for mid, lent in out:
+                if nic.rndv_lent_out(mid):
+                    nic.rndv_take_back(lent, mid)
+            raise
+
+    async def _send_rendezvous(self, nic: NicOps, data: bytes | bytearray | memoryview) -> None:
+        """Stage ``data`` in a region the peer may READ and announce it in the message's place --
+        or, when it lies inside the caller's registered memory, lend it where it is
+        (:meth:`_lend_and_announce`: zero copy).
+
+        Staged: one copy (into the staging region; the caller's buffer is free when this
+        returns); the receiver READs it straight into its buffer.  The region is granted to the
+        peer, through this connection's QP only, until its RNDV_DONE (then the grant dies); at
+        most ``nic.rndv_limit`` bytes are staged at once (this waits beyond)."""
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        if find_registered(view) is not None:
+            await self._lend_and_announce(nic, view)
+            return
         n = view.nbytes
         proto = self.proto
         if proto.mode is not Mode.MESSAGES:

@@ -256,12 +256,14 @@ class Device:
             mr.close()
 
     def register_user(self, mem: RegisteredMemory, view: memoryview) -> Region:
-        """Register user memory (local access: sources of sends and WRITEs, targets of READs)."""
+        """Register user memory (local access: sources of sends and WRITEs, targets of READs;
+        ``MW_BIND``, which grants nothing by itself, lets a window bound to one connection's QP
+        lend it to that peer's READ: a zero-copy send)."""
         from .constants import Access
 
         if self.closed:
             raise RDMAError(errno.ENODEV, "ibv_reg_mr", f"the device {self.name} is closed")
-        mr = self.pd.reg_buffer(view, Access.LOCAL_WRITE)
+        mr = self.pd.reg_buffer(view, Access.LOCAL_WRITE | Access.MW_BIND)
         self._user[mem] = mr
         return mr
 

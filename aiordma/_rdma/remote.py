@@ -20,7 +20,7 @@ import anyio
 from anyio import BrokenResourceError
 
 from .._conn.core import RECEIVE_HIGH_WATER, Core, NicExposure, NicRegion
-from .._conn.memory import count_staged, find_registered, release_pinned, reserve_pinned
+from .._conn.memory import RegisteredMemory, count_staged, find_registered, release_pinned, reserve_pinned
 from .._errors import RDMAError
 from .._proto.onesided import READ, WRITE, Rendezvous, RemoteMemoryError
 from .constants import Access, WCStatus, wc_status_name
@@ -59,6 +59,21 @@ class _Exposed:
     def addr(self) -> int:
         return int(self.region.addr)
 
+
+
+class _Lent:
+    """A loan: part of the caller's registered memory the peer may READ (a sender's zero-copy
+    rendezvous), through a window bound to this QP -- or, in a connection's own PD, an exposure
+    registered for it alone -- until its RNDV_DONE."""
+
+    __slots__ = ("mem", "addr", "rkey", "window", "exposed")
+
+    def __init__(self, mem: RegisteredMemory, addr: int, rkey: int, window: Window | None, exposed: _Exposed | None) -> None:
+        self.mem = mem
+        self.addr = addr
+        self.rkey = rkey
+        self.window = window
+        self.exposed = exposed
 
 
 class StreamFetch:
@@ -122,6 +137,8 @@ class RemoteOps:
         # rendezvous: regions the peer may READ (this connection's only), staged or free
         self._rndv_held: dict[int, tuple[Region, Window | None]] = {}  # message id -> (region, window)
         self._rndv_free: dict[int, list[Region]] = {}
+        #: loans out (a sender's zero copy): message id -> the caller's memory, granted
+        self._lent: dict[int, _Lent] = {}
         self.rndv_staged = 0
         self.rndv_limit = rndv_limit
         #: a byte stream's rendezvous being READ (one at a time: the protocol pauses after it)
@@ -163,6 +180,9 @@ class RemoteOps:
         for key, (region, window) in list(self._rndv_held.items()):
             self._rndv_held[key] = (region, None)
             attempt(partial(self._revoke, window))
+        for lent in self._lent.values():
+            window, lent.window = lent.window, None
+            attempt(partial(self._revoke, window))
 
     def release_all(self, attempt: Callable[[Callable[[], None]], None]) -> None:
         """The QP is destroyed (nothing touches the memory any more): every exposure, staging and
@@ -178,6 +198,9 @@ class RemoteOps:
                 attempt(partial(scope.give_region, fetch.region))
         for region, _ in self._rndv_held.values():  # (their windows are dead: revoke_all)
             attempt(partial(self._close_rndv, region))
+        lent, self._lent = list(self._lent.values()), {}
+        for loan in lent:  # (the caller's memory is the caller's again)
+            attempt(partial(self._end_loan, loan))
         for region in (r for rs in self._rndv_free.values() for r in rs):
             attempt(partial(self._close_rndv, region))
         self._rndv_held.clear()
@@ -361,7 +384,13 @@ class RemoteOps:
         self.rndv_staged += int(region.length)
 
     def rndv_release(self, mid: int) -> None:
-        """The peer READ message ``mid`` (its RNDV_DONE): its rkey dies now; the region may be reused."""
+        """The peer READ message ``mid`` (its RNDV_DONE): its rkey dies now; the region may be
+        reused, or the lent memory is the caller's again."""
+        lent = self._lent.pop(mid, None)
+        if lent is not None:
+            self._end_loan(lent)
+            self._link.wake_all()  # (the sender waits for it)
+            return
         held = self._rndv_held.pop(mid, None)
         if held is None:
             return
@@ -370,6 +399,67 @@ class RemoteOps:
         self._revoke(window)
         self._rndv_put_back(region)
         self._link.wake_all()  # a sender may wait for room
+
+    # -- loans: the sender's zero copy (Core._lend_and_announce) ------------------------------
+
+    async def rndv_lend(self, view: memoryview) -> _Lent | None:
+        """Let the peer READ ``view`` where it lies, inside the caller's registered memory: a
+        window bound to this QP over the memory's registration on the device (which itself grants
+        nothing remote), or in a connection's own PD an exposure registered for the loan.  None
+        when ``view`` is not inside registered memory.  The memory is held (it cannot be closed)
+        until the loan ends (:meth:`rndv_release`, :meth:`rndv_take_back`, the teardown)."""
+        found = find_registered(view)
+        if found is None:
+            return None
+        mem, offset = found
+        scope = self._scope()
+        mem.hold()
+        try:
+            if scope.windows:
+                mr = cast(Region, mem.mr_for(scope))  # (registered with MW_BIND: device.register_user)
+                addr = int(mr.addr) + offset
+                window, rkey = await self._grant(mr, addr, view.nbytes, Access.REMOTE_READ)
+                return _Lent(mem, addr, rkey, window, None)
+            exposed = await self.expose_region(view, READ)
+            return _Lent(mem, exposed.addr, exposed.rkey, None, exposed)
+        except BaseException:
+            mem.unhold()
+            raise
+
+    def rndv_hold_lent(self, mid: int, lent: NicExposure) -> None:
+        self._lent[mid] = cast(_Lent, lent)  # (rndv_lend's)
+
+    def rndv_lent_out(self, mid: int) -> bool:
+        return mid in self._lent
+
+    def rndv_take_back(self, lent: NicExposure, mid: int | None = None) -> None:
+        """End a loan before its RNDV_DONE: the grant dies now and the memory is the caller's
+        again.  An announced one (``mid``) can no longer be READ: the connection fails (the
+        peer's READ would fail anyway, with a remote access error)."""
+        loan = cast(_Lent, lent)  # (rndv_lend's)
+        if mid is not None:
+            if self._lent.pop(mid, None) is None:
+                return  # (its RNDV_DONE came, or the teardown ended it)
+        self._end_loan(loan)
+        if mid is None:
+            return
+        session = self._link.native
+        if session is not None and session.error is None:
+            session.fail(BrokenResourceError("a zero-copy send was cancelled before the peer READ it: its grant was revoked"))
+            self._link.broke()
+        self._link.wake_all()
+
+    def _end_loan(self, lent: _Lent) -> None:
+        """The loan's grant dies (its window, or its exposure's registration), then the memory is
+        released to the caller."""
+        try:
+            window, lent.window = lent.window, None
+            self._revoke(window)
+            if lent.exposed is not None:
+                exposed, lent.exposed = lent.exposed, None
+                self.release_region(exposed)
+        finally:
+            lent.mem.unhold()
 
     def rndv_discard(self, staged: NicRegion, grant: object) -> None:
         """A staged region that is not announced after all: its grant dies, the region goes back."""
