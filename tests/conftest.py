@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -83,6 +85,11 @@ def first_cases_of_paced(items: list[pytest.Item]) -> tuple[list[pytest.Item], l
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_time_limits.TimeLimits(), "aiordma-tests-time-limits")
+    # no test reads this user's rendezvous measurements (aiordma/_rdma/thresholds.py): each run
+    # starts from none, in a directory of its own (a test that measures writes there)
+    if "AIORDMA_CACHE_DIR" not in os.environ:
+        cache = os.environ["AIORDMA_CACHE_DIR"] = tempfile.mkdtemp(prefix="aiordma-test-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -149,6 +149,31 @@ async def test_a_rendezvous_rkey_dies_at_rndv_done(anyio_backend: Any, env: Env)
         assert refused(cause), cause
 
 
+async def test_a_lent_send_is_reachable_only_by_its_connection_and_only_until_rndv_done(anyio_backend: Any,
+                                                                                         env: Env) -> None:  # fmt: skip
+    """A send from registered memory is lent (zero copy) through a grant of its own: another
+    connection cannot READ it with the announced rkey, its own connection READs it, and after
+    the RNDV_DONE the rkey is dead -- the memory stays registered, and is the sender's again."""
+    async with two_connections(env) as [(a_client, _a_server), (b_client, b_server)]:
+        reg = aiordma.RegisteredBuffer(RNDV + 8192)
+        reg[:] = os.urandom(len(reg))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b_server.send, reg)
+            with anyio.fail_after(20):
+                while not b_client._core.messages:
+                    await anyio.sleep(0.01)
+            rv: Any = b_client._core.messages[0]
+            assert not isinstance(rv, bytes) and rv.rkey and b_server._core.nic.rndv_staged == 0  # lent
+            raw_rdma(a_client, False, rv.addr, rv.rkey, 4096)  # the rkey, another connection's QP
+            cause = await the_connection_fails(a_client)
+            assert refused(cause), cause
+            assert await b_client.receive() == bytes(reg)  # its own connection READs it
+        raw_rdma(b_client, False, rv.addr, rv.rkey, 4096)  # after the RNDV_DONE: the old rkey, the right QP
+        cause = await the_connection_fails(b_client)
+        assert refused(cause), cause
+        reg.close()  # (the sender's again: not busy, no view of ours alive)
+
+
 async def test_a_revoked_exposure_is_unreachable_when_the_block_exits(anyio_backend: Any, env: Env) -> None:
     async with two_connections(env) as [(a_client, a_server), _other]:
         buf = bytearray(os.urandom(4096))

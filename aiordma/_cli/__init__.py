@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    info.add_argument("--measure-rendezvous", action="store_true",
+                      help="first measure, on each RDMA device (or --device), from which message size the "
+                           "rendezvous beats the SEND slots, and keep it for this user's connections")  # fmt: skip
+    info.add_argument("--device", default=None, help="with --measure-rendezvous: only this device")
     info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser(

@@ -42,6 +42,10 @@ class Device:
     ports: list[Port] = field(default_factory=list)
     #: how this device scopes the rkeys a connection grants (None: not asked: no native module)
     remote_keys: str | None = None
+    #: from which size messages go by rendezvous here, unless a config says otherwise (None: not
+    #: asked), and whence that figure: measured (when, with its table), or the default
+    rendezvous_threshold: int | None = None
+    rendezvous: str | None = None
 
 
 def remote_key_scoping(name: str) -> str:
@@ -168,11 +172,41 @@ def collect_info(sysfs_root: str = SYSFS_IB) -> dict[str, Any]:
     }
 
 
+def rendezvous_of(name: str) -> tuple[int, str]:
+    """Device ``name``'s rendezvous threshold for connections that leave ``RdmaConfig.rendezvous``
+    open, and whence it comes (``aiordma._rdma.thresholds``)."""
+    import time
+
+    from .._rdma.thresholds import DEFAULT_RENDEZVOUS, cache_path, load
+    from .calibrate import device_key_of
+
+    measured = load(device_key_of(name))
+    if measured is None:
+        return DEFAULT_RENDEZVOUS, (
+            f"{_size(DEFAULT_RENDEZVOUS)} (the default: not measured on this device; "
+            "aiordma info --measure-rendezvous measures it)"
+        )
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured.at))
+    rates = ", ".join(f"{_size(size)} {r:g}/{s:g}" for size, (r, s) in sorted(measured.table.items()))
+    return measured.threshold, (
+        f"{_size(measured.threshold)} (measured {when}, kept in {cache_path()}; "
+        f"MB/s by rendezvous/SEND slots: {rates})"
+    )
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
 def _with_scoping(devices: list[Device], native: bool) -> list[Device]:
     if native:
         for dev in devices:
             try:
                 dev.remote_keys = remote_key_scoping(dev.name)
+                dev.rendezvous_threshold, dev.rendezvous = rendezvous_of(dev.name)
             except Exception as exc:  # (the device cannot be opened: say so, do not fail info)
                 dev.remote_keys = f"unknown (opening {dev.name} failed: {exc})"
     return devices
@@ -208,6 +242,8 @@ def format_info(info: dict[str, Any]) -> str:
             lines.append(f"  {dev['name']}" + (f" ({dev['node_type']})" if dev["node_type"] else ""))
             if dev.get("remote_keys"):
                 lines.append(f"    remote keys: {dev['remote_keys']}")
+            if dev.get("rendezvous"):
+                lines.append(f"    rendezvous from: {dev['rendezvous']}")
             if not dev["ports"]:
                 lines.append("    no ports")
             for port in dev["ports"]:
@@ -233,6 +269,17 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if getattr(args, "measure_rendezvous", False):
+        import anyio
+
+        from .calibrate import measure_all
+
+        results = anyio.run(measure_all, args.device)
+        if not results:
+            print("no RDMA device with an ACTIVE RoCEv2 port and an IPv4 address to measure", file=sys.stderr)
+            return 1
+        for result in results:
+            print(f"{result.device}: rendezvous from {_size(result.threshold)} (kept in {result.path})", file=sys.stderr)
     info = collect_info()
     if args.json:
         print(json.dumps(info, indent=2))

@@ -607,7 +607,8 @@ class Core:
         out: list[tuple[int, NicExposure]] = []
         try:
             for pos in range(0, n, piece):
-                lent = await nic.rndv_lend(view[pos : pos + piece])
+                with view[pos : pos + piece] as part:  # (released: see _send_rendezvous)
+                    lent = await nic.rndv_lend(part)
                 assert lent is not None  # (inside registered memory: find_registered said so)
                 try:
                     self.check_send()  # (the peer may have closed while the grant was made)
@@ -636,9 +637,17 @@ class Core:
         returns); the receiver READs it straight into its buffer.  The region is granted to the
         peer, through this connection's QP only, until its RNDV_DONE (then the grant dies); at
         most ``nic.rndv_limit`` bytes are staged at once (this waits beyond)."""
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        # (every view of the caller's memory made here is released on the way out, also by an
+        # error or a cancellation: a traceback that kept one would keep the caller's buffer from
+        # closing -- BufferError -- long after the send)
+        with memoryview(data) as whole:
+            if whole.format == "B" and whole.ndim == 1:
+                await self._rendezvous_view(nic, whole)
+            else:
+                with whole.cast("B") as view:
+                    await self._rendezvous_view(nic, view)
+
+    async def _rendezvous_view(self, nic: NicOps, view: memoryview) -> None:
         if find_registered(view) is not None:
             await self._lend_and_announce(nic, view)
             return
@@ -649,7 +658,8 @@ class Core:
             # reader as over a socket), at most STREAM_RENDEZVOUS_MAX (what the receiver accepts)
             piece = max(self.rndv_min, min(STREAM_RENDEZVOUS_MAX, nic.rndv_limit // 2))
             for pos in range(0, n, piece):
-                await self._stage_and_announce(nic, view[pos : pos + piece])
+                with view[pos : pos + piece] as part:
+                    await self._stage_and_announce(nic, part)
             return
         if n > proto.peer_max_message:
             raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {proto.peer_max_message}")

@@ -63,13 +63,14 @@ class RdmaConfig:
     #: no DMA read); the QP may grant less, and what it granted is what is used
     max_inline: int = 256
     #: messages of at least this many bytes go by rendezvous on the native path: the sender
-    #: stages them in a registered region the peer may READ, the receiver READs them straight into
-    #: its buffer (``receive_into``: zero copy into registered memory) -- no 64 KiB SENDs.
-    #: 0: never.  The default is measured (docs/benchmarks.md, "Where the rendezvous pays"): on
-    #: Soft-RoCE the SEND slots were faster up to 4 MiB and the rendezvous from 16 MiB; an RNIC,
-    #: where copies and not the wire are the cost, is expected to cross far lower -- measure with
-    #: ``benchmarks/zerocopy_bench.py --transports rdma rdma-send --rendezvous 4K``.
-    rendezvous: int = 8 << 20
+    #: stages them in a registered region the peer may READ (or lends them where they lie, in
+    #: registered memory), the receiver READs them straight into its buffer (``receive_into``:
+    #: zero copy into registered memory) -- no 64 KiB SENDs.  0: never.  None (the default): the
+    #: threshold measured on the connection's device (``aiordma info --measure-rendezvous``,
+    #: :mod:`aiordma._rdma.thresholds`), else 8 MiB -- Soft-RoCE's crossover (docs/benchmarks.md,
+    #: "Where the rendezvous pays"); an RNIC, where copies and not the wire are the cost, crosses
+    #: far lower.  ``aiordma info`` shows each device's.
+    rendezvous: int | None = None
     #: rendezvous bytes a connection may have staged for its peer at once (a send waits beyond;
     #: one message larger than this still goes, alone); a byte stream is staged in pieces of
     #: half of it.  This is the sender's "socket buffer" for large writes.
@@ -99,8 +100,8 @@ class RdmaConfig:
             raise ValueError(f"poll must be one of {', '.join(POLL_MODES)}, not {self.poll!r}")
         if not 0 <= self.max_inline <= 1024:
             raise ValueError("max_inline must be between 0 and 1024 bytes")
-        if self.rendezvous and self.rendezvous < 4096:
-            raise ValueError("rendezvous must be 0 (off) or at least 4096 bytes")
+        if self.rendezvous is not None and (self.rendezvous < 0 or 0 < self.rendezvous < 4096):
+            raise ValueError("rendezvous must be None (measured), 0 (off) or at least 4096 bytes")
         if self.rendezvous_inflight < 1:
             raise ValueError("rendezvous_inflight must be positive")
         for name in ("spin_window", "busy_window", "spin_budget", "liveness_probe"):

@@ -43,6 +43,7 @@ from .._errors import RDMAError
 from .._io.backends import IOBackend, Watch
 from .constants import GidEntry, gid_bytes
 from .discovery import Probe
+from . import thresholds
 from .liveness import ProbePlan
 from .poller import Poller
 
@@ -143,6 +144,9 @@ class Device:
         try:
             self._ctx = ctx = provider.open_context(name)
             self.attr = ctx.query_device()
+            #: the rendezvous threshold measured on this device (``aiordma info
+            #: --measure-rendezvous``), else None: connections then use the default
+            self.rendezvous_measured = thresholds.load(thresholds.device_key(name, self.attr))
             self.port_attr = ctx.query_port(1)
             self.gids: list[GidEntry] = list(ctx.query_gid_table())  # one verbs call, not a sysfs walk
             self._pd = ctx.alloc_pd()
@@ -286,6 +290,13 @@ class Device:
 
     def close_scope(self) -> None:
         """(The shared scope is the device's: it closes with the device.)"""
+
+    @property
+    def rendezvous_threshold(self) -> int:
+        """From which size messages go by rendezvous on this device when the config leaves it
+        open: the measured threshold, else :data:`thresholds.DEFAULT_RENDEZVOUS`."""
+        measured = self.rendezvous_measured
+        return measured.threshold if measured is not None else thresholds.DEFAULT_RENDEZVOUS
 
     # -- liveness ------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from .fastpath import BLOCK_SQ, EVT_DATA, EVT_ONESIDED, EVT_ROOM, NativeSession
 from .params import RdmaParams
 from .remote import RemoteOps
 from .resources import LinkResources
+from .thresholds import DEFAULT_RENDEZVOUS
 from .closing import LinkClose
 from .watch import PeerWatch
 
@@ -200,8 +201,9 @@ class RdmaLink(Link):
         core.fallback_reason = ""
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
         peer = self.res.peer
-        if self.native is not None and self.config.rendezvous and peer is not None and peer.reads_rendezvous:
-            core.rndv_min = self.config.rendezvous
+        threshold = self.rendezvous_threshold
+        if self.native is not None and threshold and peer is not None and peer.reads_rendezvous:
+            core.rndv_min = threshold
         if self.native is not None:
             core.nic = self.remote  # (one-sided operations on the NIC; rendezvous when rndv_min is set)
         self.watch.start(control)
@@ -513,6 +515,16 @@ class RdmaLink(Link):
     @property
     def waiters(self) -> int:
         return len(self._parking)
+
+    @property
+    def rendezvous_threshold(self) -> int:
+        """From which size our messages go by rendezvous (0: never): ``RdmaConfig.rendezvous`` when
+        set, else what was measured on our device, else the default (``thresholds.py``)."""
+        configured = self.config.rendezvous
+        if configured is not None:
+            return configured
+        device = self.device
+        return device.rendezvous_threshold if device is not None else DEFAULT_RENDEZVOUS
 
     @property
     def path(self) -> tuple[bytes, bytes]:

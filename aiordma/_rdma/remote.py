@@ -420,7 +420,9 @@ class RemoteOps:
                 addr = int(mr.addr) + offset
                 window, rkey = await self._grant(mr, addr, view.nbytes, Access.REMOTE_READ)
                 return _Lent(mem, addr, rkey, window, None)
-            exposed = await self.expose_region(view, READ)
+            # (registered from a view of our own: the region holds its export until the loan
+            # ends, and the caller's view must stay free to be released at once)
+            exposed = await self.expose_region(mem.view[offset : offset + view.nbytes], READ)
             return _Lent(mem, exposed.addr, exposed.rkey, None, exposed)
         except BaseException:
             mem.unhold()

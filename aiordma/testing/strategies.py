@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from .._proto.protocol import DEFAULT_MAX_MESSAGE_SIZE, HEADER
 from .._rdma.config import RdmaConfig
+from .._rdma.thresholds import DEFAULT_RENDEZVOUS
 from ._faults import FAULT_KINDS, Fault, supported_faults
 
 __all__ = ["chunkings", "message_sizes", "thresholds", "faults", "delays"]
@@ -40,7 +41,8 @@ def thresholds(config: RdmaConfig | None = None, *, limit: int = DEFAULT_MAX_MES
     ``limit`` (the receiver's ``max_message_size``), each with its neighbours, plus 0 and 1;
     sorted, within 0..``limit``."""
     config = config or RdmaConfig()
-    edges = {config.max_inline - HEADER.size, config.buffer_size - HEADER.size, config.rendezvous, limit}
+    rendezvous = config.rendezvous if config.rendezvous is not None else DEFAULT_RENDEZVOUS
+    edges = {config.max_inline - HEADER.size, config.buffer_size - HEADER.size, rendezvous, limit}
     sizes = {0, 1}
     for edge in edges:
         sizes.update((edge - 1, edge, edge + 1))
