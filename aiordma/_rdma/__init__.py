@@ -2,7 +2,7 @@
 
 * ``session``  -- sans-IO: credits, queue budgets, signaling, completion decoding
 * ``datapath`` -- what the link asks of a session (``DataPath``); ``checked`` (the sans-IO session on its QP) and ``fastpath`` (C) are the two
-* ``credits``, ``params``, ``states``, ``liveness`` -- sans-IO pieces (flow control, the HELLO codec, the link life cycle, the liveness probe's schedule and plan)
+* ``credits``, ``params``, ``states``, ``liveness``, ``thresholds`` -- sans-IO pieces (flow control, the HELLO codec, the link life cycle, the liveness probe's schedule and plan per path, the rendezvous threshold measured per device and where it is kept)
 * ``device``   -- the per-loop device context (context, PD, channel, CQ), reference-counted
 * ``poller``   -- the push poller on the completion channel fd, routing by qp_num
 * ``link``     -- the thin glue: Core <-> session <-> QP, bring-up, probe and teardown
