@@ -305,14 +305,31 @@ class TrioIO(IOBackend):
 _asyncio_checkpoint: Callable[[], Awaitable[None]] = functools.partial(asyncio.sleep, 0)  # (C: no frame of ours)
 
 
-@types.coroutine
-def _asyncio_before_send() -> Generator[None, None, None]:
-    """asyncio's cancel point before a send: it yields only when a cancellation was requested
-    and not taken back (``Task.cancelling()``), and the cancellation, if it is still due, is
-    delivered there, before anything is written.  Otherwise it costs no pass of the loop."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        yield  # (a bare yield, as asyncio.sleep(0): the Task throws a due cancellation in here)
+#: the registry ``asyncio.current_task`` reads (running loop -> its current task); read directly
+#: when there is one: ``current_task()`` first asks for the running loop, which in CPython 3.11
+#: checks the process id -- a ``getpid`` system call per send (benchmarks/syscalls.py saw two per
+#: round trip)
+_CURRENT_TASKS: dict[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = getattr(asyncio.tasks, "_current_tasks", None)
+
+
+def _asyncio_before_send_on(loop: asyncio.AbstractEventLoop | None) -> Callable[[], Awaitable[None]]:
+    """asyncio's cancel point before a send, for ``loop``: it yields only when a cancellation
+    was requested and not taken back (``Task.cancelling()``), and the cancellation, if it is still
+    due, is delivered there, before anything is written.  Otherwise it costs no pass of the loop
+    (and no system call)."""
+    current = _CURRENT_TASKS
+    if current is None or loop is None:  # (another Python, or made outside a loop: ask asyncio)
+        get: Callable[[], asyncio.Task[Any] | None] = asyncio.current_task
+    else:
+        get = functools.partial(current.get, loop)
+
+    @types.coroutine
+    def before_send() -> Generator[None, None, None]:
+        task = get()
+        if task is not None and task.cancelling():
+            yield  # (a bare yield, as asyncio.sleep(0): the Task throws a due cancellation in here)
+
+    return before_send
 
 
 @types.coroutine
@@ -322,7 +339,7 @@ def _asyncio_after_send() -> Generator[None, None, None]:
     task's next await instead of being raised here -- trio's ``cancel_shielded_checkpoint``.
     The task's cancellation count stays as the canceller made it (``cancel`` then ``uncancel``):
     ``asyncio.timeout`` and task groups still see one request, and the next send's cancel point
-    (:func:`_asyncio_before_send`) sees it and delivers it before writing."""
+    (:func:`_asyncio_before_send_on`) sees it and delivers it before writing."""
     try:
         yield
     except asyncio.CancelledError as exc:
@@ -350,7 +367,7 @@ def send_points() -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable
         import trio
 
         return trio.lowlevel.checkpoint_if_cancelled, trio.lowlevel.cancel_shielded_checkpoint
-    return _asyncio_before_send, _asyncio_after_send
+    return _asyncio_before_send_on(asyncio_loop()), _asyncio_after_send
 
 
 def current_checkpoint() -> Callable[[], Awaitable[None]]:
