@@ -3,8 +3,9 @@ keys that reach them (:class:`_Memory`: the rules a NIC applies to an lkey or an
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import importlib
+import pickle
 from typing import Any
 
 from .._errors import RDMAError
@@ -12,8 +13,6 @@ from .._rdma.constants import DEFAULT_MR_ACCESS, Access
 from .._rdma.lifetime import RegionBytes
 from ._simbase import _SimDomainBase, _SimResource, _pin_readonly, _unpin
 
-#: holds a registered buffer's export as the native MemoryRegion does (cffi's from_buffer)
-_ffi: Any = importlib.import_module("cffi").FFI()  # (cffi has no type stubs)
 
 __all__ = ["SimMemoryRegion", "SimMemoryWindow"]
 
@@ -76,9 +75,13 @@ class SimMemoryRegion(_SimResource, RegionBytes):
             # as cffi's from_buffer in the native MemoryRegion: an export of the caller's object
             # itself, held until close -- a registered memoryview cannot be released, nor a
             # registered bytearray resized, meanwhile (BufferError), as on a device
-            held = _ffi.from_buffer("char[]", self.buffer, require_writable=True)
-            self.addr = int(_ffi.cast("uintptr_t", held))
-            self._held: Any = held
+            cobj = ctypes.c_char.from_buffer(export)
+            self.addr = ctypes.addressof(cobj)
+            del cobj
+            # an export of the caller's object itself, held until close, as cffi's from_buffer in
+            # the native MemoryRegion holds one: a registered memoryview cannot be released, nor
+            # a registered bytearray resized, meanwhile (BufferError), as on a device
+            self._held: pickle.PickleBuffer | None = pickle.PickleBuffer(self.buffer)
         self._export: memoryview | None = export
         super().__init__(pd._accounts, (pd,))
         accounts = self._accounts
@@ -104,7 +107,7 @@ class SimMemoryRegion(_SimResource, RegionBytes):
             self._pinned = None
         held, self._held = getattr(self, "_held", None), None
         if held is not None:
-            _ffi.release(held)
+            held.release()
         if self._export is not None:
             self._export.release()
             self._export = None
