@@ -29,13 +29,13 @@ channel a message is:
    within ``INLINE_MAX``) go inline: a small Dask message is one aiordma message.
 2. then every other frame, in order, in pieces: of ``TCP_PIECE`` (4 MiB) over TCP, each read by
    the socket straight into the frame's buffer and sent from Dask's own (paced sends, see
-   ``aiordma._tcp.asyncio_link``); over RDMA of ``RDMA_PIECE`` (8 MiB) or the
-   link's rendezvous threshold (``RdmaConfig.rendezvous``) if larger, so that each piece is
-   one rendezvous; never more than the peer's ``max_message_size``.  Empty frames send nothing.
+   ``aiordma._tcp.asyncio_link``); over RDMA of ``RDMA_PIECE`` (8 MiB) or the link's rendezvous
+   threshold (``RdmaConfig.rendezvous``, else the device's measured one) if larger, so that each
+   piece is one rendezvous; never more than the peer's ``max_message_size``.  Empty frames send nothing.
 
 The receiver allocates each frame's buffer (``distributed.protocol.utils.host_array``: writable,
 as Dask's TCP comm gives) and ``receive_into``\\s it, so a large frame lands in its final place.
-Over RDMA a message of ``RdmaConfig.rendezvous`` bytes or more goes by rendezvous (the sender
+Over RDMA a message of the link's rendezvous threshold or more goes by rendezvous (the sender
 stages it once, the receiver's NIC READs it); a frame that comes so (``RENDEZVOUS``) and has
 ``register-threshold`` bytes or more is received into a buffer registered for that frame alone,
 so the READs land in it with no copy on the receiving side.  ``nosplit`` mirrors Dask's TCP comm: the first frames (the header and
