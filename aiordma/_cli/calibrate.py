@@ -41,26 +41,6 @@ class Calibration:
     path: str = ""
 
 
-def device_addresses() -> list[tuple[str, str]]:
-    """(device name, IPv4 address) for each device with an ACTIVE port that has a RoCEv2 GID of
-    an IPv4 address."""
-    from .._rdma.discovery import list_devices
-
-    found = []
-    for device in list_devices(query_verbs=False):
-        for port in device.ports:
-            if port.state != "ACTIVE":
-                continue
-            address = next(
-                (str(e.gid.ipv4_mapped) for e in port.gids if e.gid_type == "RoCEv2" and e.gid.ipv4_mapped is not None),
-                None,
-            )
-            if address is not None:
-                found.append((device.name, address))
-                break
-    return found
-
-
 def device_key_of(name: str) -> str:
     """The key device ``name``'s measurement is kept under (it opens the device once)."""
     from .._rdma.thresholds import device_key
@@ -130,6 +110,8 @@ async def measure_device(name: str, address: str, sizes: Sequence[int] = DEFAULT
 
 async def measure_all(only: str | None = None, sizes: Sequence[int] = DEFAULT_SIZES) -> list[Calibration]:
     """Measure every device with an address (or only device ``only``)."""
+    from .._rdma.discovery import device_addresses
+
     results = []
     for name, address in device_addresses():
         if only is None or name == only:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .common import EXIT_OK, SYSFS_IB
+from .common import EXIT_OK, SYSFS_IB, human_bytes
 
 __all__ = ["cmd_info", "collect_info", "format_info", "read_rdma_devices"]
 
@@ -183,22 +183,15 @@ def rendezvous_of(name: str) -> tuple[int, str]:
     measured = load(device_key_of(name))
     if measured is None:
         return DEFAULT_RENDEZVOUS, (
-            f"{_size(DEFAULT_RENDEZVOUS)} (the default: not measured on this device; "
+            f"{human_bytes(DEFAULT_RENDEZVOUS)} (the default: not measured on this device; "
             "aiordma info --measure-rendezvous measures it)"
         )
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured.at))
-    rates = ", ".join(f"{_size(size)} {r:g}/{s:g}" for size, (r, s) in sorted(measured.table.items()))
+    rates = ", ".join(f"{human_bytes(size)} {r:g}/{s:g}" for size, (r, s) in sorted(measured.table.items()))
     return measured.threshold, (
-        f"{_size(measured.threshold)} (measured {when}, kept in {cache_path()}; "
+        f"{human_bytes(measured.threshold)} (measured {when}, kept in {cache_path()}; "
         f"MB/s by rendezvous/SEND slots: {rates})"
     )
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def _with_scoping(devices: list[Device], native: bool) -> list[Device]:
@@ -279,7 +272,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             print("no RDMA device with an ACTIVE RoCEv2 port and an IPv4 address to measure", file=sys.stderr)
             return 1
         for result in results:
-            print(f"{result.device}: rendezvous from {_size(result.threshold)} (kept in {result.path})", file=sys.stderr)
+            print(f"{result.device}: rendezvous from {human_bytes(result.threshold)} (kept in {result.path})", file=sys.stderr)
     info = collect_info()
     if args.json:
         print(json.dumps(info, indent=2))

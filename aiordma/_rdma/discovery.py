@@ -29,6 +29,7 @@ __all__ = [
     "gid_for_ip",
     "device_names",
     "rdma_address",
+    "device_addresses",
 ]
 
 SYSFS_IB = "/sys/class/infiniband"
@@ -218,14 +219,28 @@ def probe() -> Probe:
     return Probe(True, "", native, native_reason, devices)
 
 
+def device_addresses() -> list[tuple[str, str]]:
+    """(device name, a local IPv4 address it serves) for each RDMA device with one: its first
+    ACTIVE port's first RoCEv2 GID of an IPv4 address (sysfs only: no verbs call)."""
+    found = []
+    for device in list_devices(query_verbs=False):
+        address = next(
+            (
+                str(entry.gid.ipv4_mapped)
+                for port in device.ports
+                if port.state == "ACTIVE"
+                for entry in port.gids
+                if entry.gid_type == "RoCEv2" and entry.gid.ipv4_mapped is not None
+            ),
+            None,
+        )
+        if address is not None:
+            found.append((device.name, address))
+    return found
+
+
 def rdma_address() -> str | None:
     """A local IPv4 address that an RDMA device serves (an ACTIVE port's RoCEv2 GID), or None
     (sysfs only: no verbs call)."""
-    for device in list_devices(query_verbs=False):
-        for port in device.ports:
-            if port.state != "ACTIVE":
-                continue
-            for entry in port.gids:
-                if entry.gid_type == "RoCEv2" and entry.gid.ipv4_mapped is not None:
-                    return str(entry.gid.ipv4_mapped)
-    return None
+    found = device_addresses()
+    return found[0][1] if found else None

@@ -13,7 +13,6 @@ from .._rdma.constants import DEFAULT_MR_ACCESS, Access
 from .._rdma.lifetime import RegionBytes
 from ._simbase import _SimDomainBase, _SimResource, _pin_readonly, _unpin
 
-
 __all__ = ["SimMemoryRegion", "SimMemoryWindow"]
 
 
@@ -72,9 +71,6 @@ class SimMemoryRegion(_SimResource, RegionBytes):
             self._pinned: Any
             self._pinned, self.addr = _pin_readonly(export)  # (read-only memory: its address)
         else:
-            # as cffi's from_buffer in the native MemoryRegion: an export of the caller's object
-            # itself, held until close -- a registered memoryview cannot be released, nor a
-            # registered bytearray resized, meanwhile (BufferError), as on a device
             cobj = ctypes.c_char.from_buffer(export)
             self.addr = ctypes.addressof(cobj)
             del cobj
