@@ -34,6 +34,7 @@ from aiordma._proto.protocol import Connection, Message, MessageSink, Mode
 from aiordma._proto.receiving import (
     LONG_PEEK,
     MIN_RECV_ROOM,
+    RECV_BUFFER_SIZE,
     STREAM_CHUNK,
     Landing,
     SpareBuffers,
@@ -57,6 +58,8 @@ def opened_pair(limit: int = LIMIT, mode: Mode = Mode.MESSAGES) -> tuple[Connect
     s.receive_data(c.send_hello())
     c.receive_data(s.send_hello())
     s.receive_data(c.select("tcp"))
+    for conn in (c, s):  # (as the handshake's owner does once TCP carries the data)
+        conn.widen_receive_buffer()
     if mode is Mode.STREAM:
         s.data_sink = StreamBuffer()
         return c, s
@@ -459,6 +462,22 @@ SENDER = textwrap.dedent(
     asyncio.run(main(*map(int, sys.argv[1:])))
     """
 )
+
+
+@pytest.mark.parametrize("kind", ["tcp", "sim"])
+async def test_the_receive_buffer_takes_its_working_size_only_on_tcp(anyio_backend: Any, kind: str) -> None:
+    """A connection's receive buffer is handshake-sized (``MIN_RECV_ROOM``) until the handshake
+    chooses TCP for framed data; one that moves to RDMA never allocates the working size (a fresh,
+    zeroed 256 KiB per connect).  Messages flow either way."""
+    from aiordma.testing import channel_pair
+
+    async with channel_pair(kind) as (a, b):  # type: ignore[arg-type]
+        assert [ch.extra(aiordma.TransportAttribute.transport) for ch in (a, b)] == [kind.replace("sim", "rdma")] * 2
+        expected = RECV_BUFFER_SIZE if kind == "tcp" else MIN_RECV_ROOM
+        assert [ch._core.proto._rb.size for ch in (a, b)] == [expected] * 2  # type: ignore[attr-defined]
+        for size in (10, 100_000, 300_000):
+            await a.send(b"x" * size)
+            assert await b.receive() == b"x" * size
 
 
 @pytest.mark.parametrize("into", [True, False], ids=["receive_into", "receive"])

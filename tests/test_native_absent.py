@@ -237,3 +237,35 @@ with open("/proc/self/maps") as f:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[]", "False"], proc.stdout
+
+
+def test_the_probe_asks_the_host_only_while_no_device_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport probe (each side, each connect) walks sysfs and lists the verbs devices --
+    unless a device of the same provider is open in this process, which proves verbs work here.
+    A closed device, or one of another provider (the simulated wire), proves nothing."""
+    from aiordma._rdma import device as dev
+    from aiordma._rdma.config import NativeProvider
+
+    calls: list[int] = []
+    answer = d.Probe(False, "no RDMA device (the host's answer)", False, "not loaded")
+
+    def host_probe() -> d.Probe:
+        calls.append(1)
+        return answer
+
+    monkeypatch.setattr(d, "probe", host_probe)
+
+    class Open:
+        def __init__(self, name: str, key: object, closed: bool = False) -> None:
+            self.name, self.closed = name, closed
+            self.provider = type("P", (), {"key": key})()
+
+    provider = NativeProvider()
+    assert provider.probe() is answer and calls == [1]
+    for stale in (Open("rxe0", "native", closed=True), Open("sim0", object())):
+        monkeypatch.setitem(dev._devices, ("loop", stale.provider.key, stale.name), stale)  # type: ignore[arg-type]
+        assert provider.probe() is answer
+    assert len(calls) == 3
+    monkeypatch.setitem(dev._devices, ("loop", "native", "rxe0"), Open("rxe0", "native"))  # type: ignore[arg-type]
+    found = provider.probe()
+    assert found.usable and found.native_module and found.devices == ["rxe0"] and len(calls) == 3

@@ -251,6 +251,7 @@ async def client_handshake(
             await core.link.send([proto.select("tcp", reason)])
             core.transport = "tcp"
             core.fallback_reason = reason
+            proto.widen_receive_buffer()  # (TCP carries the data: the buffer's working size)
             return
         assert endpoint is not None
         await core.link.send([proto.select("rdma", "")])
@@ -328,6 +329,7 @@ async def server_handshake(
         else:
             core.transport = "tcp"
             core.fallback_reason = selected.reason
+            proto.widen_receive_buffer()  # (TCP carries the data: the buffer's working size)
     finally:
         if endpoint is not None:
             await endpoint.discard()

@@ -231,7 +231,8 @@ class Connection:
         # limits for what we send, from the peer's HELLO
         self._peer_max_message = 0
         self._peer_max_frame = MIN_FRAME_SIZE
-        # where received bytes land (see aiordma._proto.receiving)
+        # where received bytes land (see aiordma._proto.receiving); handshake-sized until
+        # TCP is chosen for the data (widen_receive_buffer)
         self._rb = ReceiveBuffer()
         self._long: LongFrame | None = None  # a long MESSAGE read into its own destination
         self._landing: Landing | None = None  # a waiting reader's buffer, for the next message
@@ -421,6 +422,15 @@ class Connection:
             and self.peer_hello.can_pass_through
         ):
             self._step(Input.PASS_THROUGH, remote=False)
+
+    def widen_receive_buffer(self) -> None:
+        """The handshake chose TCP for framed data: the receive buffer grows to its working size
+        (``RECV_BUFFER_SIZE``; it starts at ``MIN_RECV_ROOM``), keeping what it holds.  The owner
+        calls it outside a read (no view of the buffer is lent then); nothing happens in any
+        other state (RDMA carries the data, or the connection passed through or ended)."""
+        rb = self._rb
+        if self.state is State.OPEN and self.transport == "tcp" and rb.size < RECV_BUFFER_SIZE:
+            rb.reserve(RECV_BUFFER_SIZE - (rb.end - rb.start))
 
     @property
     def passed_through(self) -> bool:

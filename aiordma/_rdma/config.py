@@ -162,6 +162,16 @@ class NativeProvider:
         return gid_for_ip(ip)
 
     def probe(self) -> Probe:
+        """Whether this host offers RDMA.  While a device is open in this process (a listener
+        holds one, another connection uses one), verbs demonstrably work here: the answer comes
+        from that, without the sysfs walk and the verbs device list every connect would
+        otherwise make on each side (~2.3 ms of an RDMA connect's ~40 in the Soft-RoCE guest).
+        ``devices`` then names the open ones; the connection's ``open`` step lists the host's."""
+        from .device import open_devices
+
+        names = sorted({device.name for device in open_devices() if device.provider.key == self.key and not device.closed})
+        if names:
+            return Probe(True, "", True, "RDMA devices open in this process: " + ", ".join(names), names)
         from .discovery import probe
 
         return probe()
