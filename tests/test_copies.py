@@ -571,6 +571,92 @@ async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(anyio_backend: A
     assert result[0] < 2 << 20, f"the send allocated {result[0]} bytes for a {size}-byte message"
 
 
+async def test_a_large_send_to_a_late_reader_copies_nothing_into_the_transport(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same 24 MiB send to a reader that comes half a second late: on asyncio's transport
+    nothing of it is copied into the transport's buffer -- the send writes the caller's bytes to
+    the socket whenever it is writable again.  (Before, each 256 KiB piece went through the
+    transport, and what the kernel refused of it, nearly all with a reader behind, was copied.)"""
+    if anyio_backend[0] != "asyncio" or anyio_backend[1]:
+        pytest.skip("asyncio's own transport paces (trio's link writes to its socket itself)")
+    import asyncio.selector_events as selector_events
+
+    copied: list[int] = []
+    write = selector_events._SelectorSocketTransport.write
+
+    def counting(self: Any, data: Any) -> None:
+        copied.append(memoryview(data).nbytes)
+        write(self, data)
+
+    monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", counting)
+    size = 24 << 20
+    payload = bytearray(b"\x07") * size
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    result: list[Any] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            await ch.receive()
+            copied.clear()
+            await ch.send(payload)
+            result.append(sum(copied))
+            result.append(await ch.receive())
+            await ch.send(b"bye")
+
+    returncode = await serve_a_peer_process(listener, handle, [READER, str(listener.port), str(size)],
+                                            lambda: len(result) >= 2)  # fmt: skip
+    assert returncode == 0 and result[1] == b"ok"
+    assert result[0] < 64 << 10, f"{result[0]} bytes of a {size}-byte send were copied into the transport"
+
+
+
+DIES_UNREAD = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    import aiordma
+
+    async def main(port):
+        ch = await aiordma.connect_channel("127.0.0.1", port, transport="tcp", max_message_size=64 << 20)
+        await ch.send(b"go")
+        time.sleep(0.5)  # (the sender's paced send waits for the socket meanwhile)
+        os._exit(0)  # (unread bytes: the kernel resets the connection)
+
+    asyncio.run(main(int(sys.argv[1])))
+    """
+)
+
+
+async def test_a_paced_send_to_a_peer_that_dies_unread_fails(anyio_backend: Any) -> None:
+    """A 24 MiB send waiting for the socket (the reader never reads) when the peer process dies:
+    the send raises ``BrokenResourceError`` -- it neither hangs nor reports success -- and
+    leaves no descriptor behind (the duplicate it watched the socket through is closed)."""
+    from ._leaks import open_fds
+
+    size = 24 << 20
+    payload = bytearray(b"\x07") * size
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    result: list[Any] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            await ch.receive()
+            before = open_fds()
+            try:
+                with anyio.fail_after(20):
+                    await ch.send(payload)
+            except anyio.BrokenResourceError as exc:
+                result.append(exc)
+            else:
+                result.append("the send returned")
+            result.append(open_fds() - before)
+
+    returncode = await serve_a_peer_process(listener, handle, [DIES_UNREAD, str(listener.port)],
+                                            lambda: len(result) >= 2)  # fmt: skip
+    assert returncode == 0
+    assert isinstance(result[0], anyio.BrokenResourceError), result[0]
+    assert not result[1], f"descriptors left open by the send: {result[1]}"
+
 def limit_writes(monkeypatch: pytest.MonkeyPatch, most: int = 300 * KiB) -> None:
     """A kernel that takes at most ``most`` bytes per gathered write (asyncio's link writes with
     ``os.writev``): every large send paces, and other writes come while a pace is on."""

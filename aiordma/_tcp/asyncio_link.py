@@ -32,32 +32,38 @@ log = logging.getLogger("aiordma")
 
 _IDLE = _WatchState.IDLE
 
-#: a send larger than this writes its frames to the socket itself, this much at a time
+#: a send larger than this writes its frames to the socket itself (see ``_send_paced``)
 PACE = 256 << 10
+#: at most this many buffers per gathered write (the kernel's IOV_MAX)
+_IOV_MAX = 1024
 
 
 class _Pace:
-    """The frames of a paced send not handed to the kernel yet (views of the caller's buffers)."""
+    """The frames of a paced send not handed to the kernel yet (views of the caller's buffers),
+    and the future its sender waits on (the socket writable, or the pace ended)."""
 
-    __slots__ = ("rest",)
+    __slots__ = ("rest", "waiter")
 
     def __init__(self, rest: list[memoryview]) -> None:
         self.rest = rest
+        self.waiter: asyncio.Future[None] | None = None
 
-    def take(self, n: int) -> list[memoryview]:
-        """The next pieces, at most ``n`` bytes together (views: no copy)."""
+    def consume(self, sent: int) -> None:
+        """The kernel took ``sent`` bytes from the front."""
         rest = self.rest
-        out: list[memoryview] = []
-        while rest and n:
+        while sent and rest:
             view = rest[0]
-            if view.nbytes <= n:
-                out.append(rest.pop(0))
-                n -= view.nbytes
+            if view.nbytes <= sent:
+                sent -= view.nbytes
+                rest.pop(0)
             else:
-                out.append(view[:n])
-                rest[0] = view[n:]
-                n = 0
-        return out
+                rest[0] = view[sent:]
+                sent = 0
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
@@ -123,7 +129,6 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         self._window_sock: Any = None
         self._window_timer: asyncio.TimerHandle | None = None
         self._pace: _Pace | None = None  # a large send writing its frames itself (see _send_paced)
-        self._limits: tuple[int, int] | None = None  # the transport's write limits while sends pace
         self._passed_eof = False  # passed through: the peer's EOF came before the handover
         self._in_order = False  # unframed: a _ClosingInOrder is closing the connection
         self._lost_error: Exception | None = None
@@ -237,6 +242,8 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
+        if self._pace is not None:
+            self._pace.wake()  # (a paced send waiting for the socket: it is gone)
         if not self._closed_future.done():
             self._closed_future.set_result(None)
         self._on_made = None
@@ -590,11 +597,15 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     # asyncio's transport copies what the kernel does not take at once into its own buffer (and
     # uvloop's and 3.12's keep a reference, which write_chunks turns into a copy): a 64 MiB send
     # was copied almost whole.  A send larger than PACE instead writes its frames to the socket
-    # itself (writev) piece by piece, each time the transport is empty (its limits are set to
-    # pause at any byte meanwhile), so that only what the kernel refuses of one piece is copied.
-    # The caller's buffer is the send's until it returns.  Frames stay whole: any other write
-    # meanwhile (another send, an answer, the close) first hands the rest of the paced frames to
-    # the transport (copied); so does a cancellation.
+    # itself (writev), as much as the kernel takes, and waits for the socket to be writable again
+    # between writes -- on a duplicate of its descriptor, which the loop lets us watch (it refuses
+    # a transport's own) and which lives only while the send waits, so it never keeps a closed
+    # connection open.  Nothing is copied (before, each 256 KiB piece went through the transport
+    # and what the kernel refused of it was copied: with a reader slower than the sender, nearly
+    # all of it -- the extra CPU per byte Dask's 64 MiB frames paid).  The caller's buffer is the
+    # send's until it returns.  Frames stay whole: any other write meanwhile (another send, an
+    # answer, the close) first hands the rest of the paced frames to the transport (copied), and
+    # the send returns; so does a cancellation.
 
     async def _send_paced(self, writer: asyncio.WriteTransport, chunks: Sequence[Chunk]) -> None:
         try:
@@ -606,43 +617,49 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             return
         if self._window_timer is None:
             self.written()
-        rest: list[memoryview] = []
-        for chunk in chunks:
-            view = memoryview(chunk)
-            n = view.nbytes
-            if sent >= n:
-                sent -= n
-                continue
-            rest.append(view[sent:] if sent else view)
-            sent = 0
-        if not rest:
+        pace = _Pace([memoryview(chunk) for chunk in chunks])
+        pace.consume(sent)
+        if not pace.rest:
             await self.core.checkpoint()  # (a send yields, also when the kernel took it all)
             return
-        pace = self._pace = _Pace(rest)
-        if self._limits is None:  # (the transport's own, restored once no send paces)
-            self._limits = writer.get_write_buffer_limits()
-        writer.set_write_buffer_limits(high=0, low=0)  # (paused at any byte: resumed once empty)
+        self._pace = pace
+        loop = self._loop
+        failed = False
+        watched = os.dup(self.fd)
         try:
             while self._pace is pace and pace.rest:
                 if self.lost:
                     raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
-                write_chunks(writer, pace.take(PACE), self.fd)  # (empty: writev, copy what is refused)
-                if self.paused_writing:
-                    await self.drain()
-                else:
-                    await self.core.checkpoint()
+                waiter = pace.waiter = self._create_future()
+                loop.add_writer(watched, pace.wake)
+                try:
+                    await waiter
+                finally:
+                    pace.waiter = None
+                    loop.remove_writer(watched)
+                if self._pace is not pace or self.lost:
+                    break
+                try:
+                    sent = os.writev(self.fd, pace.rest[:_IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    self._flush_pace()  # (the transport meets the error and reports the end)
+                    failed = True
+                    break
+                pace.consume(sent)
+                if self._window_timer is None:
+                    self.written()
         except BaseException:
             if self._pace is pace:
                 self._flush_pace()  # (the frames stay whole: their rest goes, copied)
             raise
         finally:
+            os.close(watched)
             if self._pace is pace:
                 self._pace = None
-            limits = self._limits
-            if self._pace is None and limits is not None:  # (no other send paces now)
-                self._limits = None
-                if not writer.is_closing():
-                    writer.set_write_buffer_limits(high=limits[1], low=limits[0])
+        if failed and not self.lost:
+            await self.core.checkpoint()  # (the transport's end comes in this pass: the send says so)
         if self.lost:
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
 
@@ -651,9 +668,11 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         into the transport); the send returns when it next wakes."""
         pace, self._pace = self._pace, None
         writer = self.tcp_writer
-        if pace is not None and pace.rest and writer is not None and not writer.is_closing():
-            writer.write(b"".join(pace.rest))
+        if pace is not None:
+            if pace.rest and writer is not None and not writer.is_closing():
+                writer.write(b"".join(pace.rest))
             pace.rest.clear()
+            pace.wake()
 
     def close_nowait(self, final: bytes) -> None:
         """Write ``final`` (our CLOSE) and start closing in order.
