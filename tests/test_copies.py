@@ -539,6 +539,13 @@ READER = textwrap.dedent(
 )
 
 
+async def large_send_bed() -> tuple[int, bytearray, Any]:
+    """A 24 MiB payload and a TCP channel listener for a peer process to connect to."""
+    size = 24 << 20
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    return size, bytearray(b"\x07") * size, listener
+
+
 async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(
     anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -560,9 +567,7 @@ async def test_a_large_send_keeps_no_copy_of_the_callers_buffer(
         write(self, data)
 
     monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", counting)
-    size = 24 << 20
-    payload = bytearray(b"\x07") * size
-    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    size, payload, listener = await large_send_bed()
     result: list[Any] = []
 
     async def handle(ch: Any) -> None:
@@ -610,9 +615,7 @@ async def test_a_paced_send_to_a_peer_that_dies_unread_fails(anyio_backend: Any)
     leaves no descriptor behind (the duplicate it watched the socket through is closed)."""
     from ._leaks import open_fds
 
-    size = 24 << 20
-    payload = bytearray(b"\x07") * size
-    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    size, payload, listener = await large_send_bed()
     result: list[Any] = []
 
     async def handle(ch: Any) -> None:
