@@ -219,6 +219,7 @@ async def test_a_thousand_clients_at_once_are_all_served(anyio_backend: Any) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # (its 1 s bound is the listener's, not the CI host's parallel workers')
 async def test_silent_sockets_never_keep_a_real_client_out(anyio_backend: Any) -> None:
     """300 sockets that never speak, closed and opened again every 2 s for 20 s; meanwhile a real
     client's connect, handshake and one echo take under 1 s, every time."""

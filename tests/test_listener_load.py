@@ -46,6 +46,7 @@ def _drops(log: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # (its 5 s stall deadline is the listener's, not the CI host's parallel workers')
 @pytest.mark.parametrize(
     "loop, tls, api",
     [(loop, tls, "channel") for loop in LOOPS for tls in (False, True)]
