@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import tracemalloc
 from typing import Any
 
@@ -712,3 +713,114 @@ async def test_cancelled_paced_sends_never_deliver_a_message_that_was_not_sent(
     with pytest.MonkeyPatch.context() as mp:
         limit_writes(mp)
         await run_program("tcp", tlsdir, senders, reader_delay)
+
+
+@types.coroutine
+def resumptions(coro: Any, count: list[int]) -> Any:
+    """Drive ``coro`` as its task would, counting in ``count[0]`` how often the task resumed it
+    (the first step included): what a wake of the task costs is one loop pass each."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        count[0] += 1
+        try:
+            yielded = coro.send(value) if error is None else coro.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = (yield yielded), None
+        except BaseException as exc:  # (cancellation: passed on to the coroutine)
+            value, error = None, exc
+
+
+async def test_a_large_send_to_a_late_reader_wakes_its_task_once(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 24 MiB send to a reader that reads half a second late (another process): the socket
+    takes it in many writes as the reader drains it, made from the loop's writability callback;
+    the sending task resumes once, when all went (before, once per write: a loop pass each)."""
+    if anyio_backend[0] != "asyncio" or anyio_backend[1]:
+        pytest.skip("paced sends are asyncio's own transport's (trio's task writes as it wakes)")
+    writes = [0]
+    real = os.writev
+
+    def counting(fd: int, buffers: Any) -> int:
+        writes[0] += 1
+        return real(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", counting)
+    size, payload, listener = await large_send_bed()
+    result: list[Any] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            await ch.receive()
+            steps = [0]
+            writes[0] = 0
+            await resumptions(ch.send(payload), steps)
+            result.append((steps[0], writes[0]))
+            result.append(await ch.receive())
+            await ch.send(b"bye")
+
+    returncode = await serve_a_peer_process(listener, handle, [READER, str(listener.port), str(size)],
+                                            lambda: len(result) >= 2)  # fmt: skip
+    assert returncode == 0 and result[1] == b"ok"
+    steps, writes_made = result[0]
+    assert writes_made >= 4, f"the send went in {writes_made} writes: this test shows nothing"
+    assert steps <= 3, f"the sending task resumed {steps} times for {writes_made} writes"
+
+
+LATE_SENDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aiordma
+
+    async def main(port, size):
+        ch = await aiordma.connect_channel("127.0.0.1", port, transport="tcp", max_message_size=64 << 20)
+        await ch.receive()  # (the reader waits with its buffer offered)
+        await ch.send(b"\\x05" * size)
+        await ch.receive()
+        await ch.aclose()
+
+    asyncio.run(main(*map(int, sys.argv[1:])))
+    """
+)
+
+
+async def test_a_long_message_wakes_its_waiting_reader_once(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 24 MiB message from another process, into a waiting ``receive_into``: the socket reads it
+    in many reads straight into the reader's buffer, and the reader resumes once it is all in
+    (before, once per read).  On trio the reading task makes the reads itself (not counted)."""
+    reads = [0]
+    real = Connection.buffer_updated
+
+    def counting(self: Connection, nbytes: int) -> Any:
+        reads[0] += 1
+        return real(self, nbytes)
+
+    monkeypatch.setattr(Connection, "buffer_updated", counting)
+    size = 24 << 20
+    listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
+    result: list[Any] = []
+
+    async def handle(ch: Any) -> None:
+        async with ch:
+            buf = bytearray(size)
+            await ch.send(b"go")
+            steps = [0]
+            reads[0] = 0
+            got = await resumptions(ch.receive_into(buf), steps)
+            result.append((steps[0], reads[0], got == size and buf[0] == buf[-1] == 5))
+            await ch.send(b"bye")
+
+    returncode = await serve_a_peer_process(listener, handle, [LATE_SENDER, str(listener.port), str(size)],
+                                            lambda: len(result) >= 1)  # fmt: skip
+    assert returncode == 0
+    steps, reads_made, whole = result[0]
+    assert whole
+    if anyio_backend[0] == "trio":
+        return
+    assert reads_made >= 4, f"the message came in {reads_made} reads: this test shows nothing"
+    assert steps <= 3, f"the reader resumed {steps} times for {reads_made} reads"

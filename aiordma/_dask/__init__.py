@@ -27,7 +27,7 @@ channel a message is:
    ``SEPARATE``: it follows in messages of its own; ``RENDEZVOUS``: the same, and they go by
    rendezvous), then the bytes of the inline frames.  Small frames (up to ``INLINE_FRAME_MAX``, while the head stays
    within ``INLINE_MAX``) go inline: a small Dask message is one aiordma message.
-2. then every other frame, in order, in pieces: of ``TCP_PIECE`` (4 MiB) over TCP, each read by
+2. then every other frame, in order, in pieces: of ``TCP_PIECE`` (16 MiB) over TCP, each read by
    the socket straight into the frame's buffer and sent from Dask's own (paced sends, see
    ``aiordma._tcp.asyncio_link``); over RDMA of ``RDMA_PIECE`` (8 MiB) or the link's rendezvous
    threshold (``RdmaConfig.rendezvous``, else the device's measured one) if larger, so that each

@@ -20,7 +20,7 @@ INLINE_FRAME_MAX = 64 << 10
 #: ... while the inline bytes of one head stay within this
 INLINE_MAX = 64 << 10
 #: a frame larger than this travels in messages of this size: over TCP ...
-TCP_PIECE = 4 << 20
+TCP_PIECE = 16 << 20
 #: ... and over RDMA (at most the peer's ``max_message_size`` either way)
 RDMA_PIECE = 8 << 20
 #: the smallest ``max-message-size`` accepted (a head with its inline frames must fit)

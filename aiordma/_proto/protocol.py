@@ -238,6 +238,9 @@ class Connection:
         self._landing: Landing | None = None  # a waiting reader's buffer, for the next message
         #: the last message was long: the next read takes the next header alone
         self.peek = False
+        #: the last :meth:`buffer_updated` only moved a long message's payload on (it is not all
+        #: in yet): no reader has anything new -- its owner need not wake one
+        self.partial = False
         #: ``get_buffer`` may lend small views: exactly a long frame's rest, a header alone.  A link
         #: whose reader drops what does not fit the view it lent last when the connection ends
         #: (asyncio's and uvloop's TLS read once more at EOF, into one view) clears it: views are
@@ -650,8 +653,11 @@ class Connection:
                 raise ValueError("nbytes is larger than the buffer lent by get_buffer")
             long.got = got
             if got < long.length:
+                self.partial = True
                 return []
+            self.partial = False
             return self._long_done(long)
+        self.partial = False
         rb = self._rb
         end = rb.end + nbytes
         if nbytes < 0 or end > rb.size:
@@ -775,7 +781,9 @@ class Connection:
         long.view[long.got : long.got + take] = rb.view[:take]
         long.got += take
         if long.got < long.length:
+            self.partial = True
             return []
+        self.partial = False
         events = self._long_done(long)
         if take == nbytes:
             return events

@@ -42,11 +42,13 @@ class _Pace:
     """The frames of a paced send not handed to the kernel yet (views of the caller's buffers),
     and the future its sender waits on (the socket writable, or the pace ended)."""
 
-    __slots__ = ("rest", "waiter")
+    __slots__ = ("rest", "waiter", "failed")
 
     def __init__(self, rest: list[memoryview]) -> None:
         self.rest = rest
         self.waiter: asyncio.Future[None] | None = None
+        #: a write failed (the transport meets the error too, and reports the connection's end)
+        self.failed = False
 
     def consume(self, sent: int) -> None:
         """The kernel took ``sent`` bytes from the front."""
@@ -195,7 +197,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
             listener()
             return
         fut = self._waiter  # self._wake(), inlined
-        if fut is not None:
+        if fut is not None and not self._proto.partial:  # (partial: a long message goes on landing)
             self._waiter = None
             if not fut.done():
                 fut.set_result(None)
@@ -597,10 +599,10 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     # asyncio's transport copies what the kernel does not take at once into its own buffer (and
     # uvloop's and 3.12's keep a reference, which write_chunks turns into a copy): a 64 MiB send
     # was copied almost whole.  A send larger than PACE instead writes its frames to the socket
-    # itself (writev), as much as the kernel takes, and waits for the socket to be writable again
-    # between writes -- on a duplicate of its descriptor, which the loop lets us watch (it refuses
-    # a transport's own) and which lives only while the send waits, so it never keeps a closed
-    # connection open.  Nothing is copied (before, each 256 KiB piece went through the transport
+    # itself (writev), as much as the kernel takes, and the rest from the loop's callback each
+    # time the socket is writable again (the send wakes once, when all went) -- watching a
+    # duplicate of its descriptor, which the loop lets us watch (it refuses a transport's own)
+    # and which lives only while the send waits, so it never keeps a closed connection open.  Nothing is copied (before, each 256 KiB piece went through the transport
     # and what the kernel refused of it was copied: 928 KB of a 24 MiB send to a late reader).
     # The caller's buffer is the send's until it returns.  Frames stay whole: any other write
     # meanwhile (another send, an answer, the close) first hands the rest of the paced frames to
@@ -608,7 +610,7 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
 
     async def _send_paced(self, chunks: Sequence[Chunk]) -> None:
         try:
-            sent = os.writev(self.fd, chunks)
+            sent = os.writev(self.fd, chunks if len(chunks) <= _IOV_MAX else chunks[:_IOV_MAX])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
@@ -621,46 +623,51 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         if not pace.rest:
             await self.core.checkpoint()  # (a send yields, also when the kernel took it all)
             return
+        if self.lost:
+            raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+        # the rest is written by the loop's writability callback (_write_paced), as the socket
+        # takes it: one pass of the loop per write, and the send wakes once, at the end
         self._pace = pace
         loop = self._loop
-        failed = False
         watched = os.dup(self.fd)
+        waiter = pace.waiter = self._create_future()
+        loop.add_writer(watched, self._write_paced, pace)
         try:
-            while self._pace is pace and pace.rest:
-                if self.lost:
-                    raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
-                waiter = pace.waiter = self._create_future()
-                loop.add_writer(watched, pace.wake)
-                try:
-                    await waiter
-                finally:
-                    pace.waiter = None
-                    loop.remove_writer(watched)
-                if self._pace is not pace or self.lost:
-                    break
-                try:
-                    sent = os.writev(self.fd, pace.rest[:_IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    self._flush_pace()  # (the transport meets the error and reports the end)
-                    failed = True
-                    break
-                pace.consume(sent)
-                if self._window_timer is None:
-                    self.written()
+            await waiter
         except BaseException:
             if self._pace is pace:
                 self._flush_pace()  # (the frames stay whole: their rest goes, copied)
             raise
         finally:
+            pace.waiter = None
+            loop.remove_writer(watched)
             os.close(watched)
             if self._pace is pace:
                 self._pace = None
-        if failed and not self.lost:
+        if pace.failed and not self.lost:
             await self.core.checkpoint()  # (the transport's end comes in this pass: the send says so)
         if self.lost:
             raise self.core.broken() if self.core.error else BrokenResourceError("the connection was lost")
+
+    def _write_paced(self, pace: _Pace) -> None:
+        """The socket is writable while ``pace`` has frames left: write what it takes; wake the
+        send when all went (or the pace ended: another write flushed it, or the connection)."""
+        if self._pace is not pace or self.lost:
+            pace.wake()
+            return
+        try:
+            sent = os.writev(self.fd, pace.rest[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pace.failed = True
+            self._flush_pace()  # (the transport meets the error and reports the end; wakes the send)
+            return
+        pace.consume(sent)
+        if self._window_timer is None:
+            self.written()
+        if not pace.rest:
+            pace.wake()
 
     def _flush_pace(self) -> None:
         """Another write comes while a paced send is on: the rest of its frames go first (copied
