@@ -234,6 +234,10 @@ class Connection:
         # where received bytes land (see aiordma._proto.receiving); handshake-sized until
         # TCP is chosen for the data (widen_receive_buffer)
         self._rb = ReceiveBuffer()
+        #: a receive buffer shared with the other connections of the owner's loop (see
+        #: share_receive_buffer), and a view of it
+        self._scratch: bytearray | None = None
+        self._scratch_view: memoryview | None = None
         self._long: LongFrame | None = None  # a long MESSAGE read into its own destination
         self._landing: Landing | None = None  # a waiting reader's buffer, for the next message
         #: the last message was long: the next read takes the next header alone
@@ -426,12 +430,30 @@ class Connection:
         ):
             self._step(Input.PASS_THROUGH, remote=False)
 
+    def share_receive_buffer(self, scratch: bytearray) -> None:
+        """Receive into ``scratch``, a buffer shared by the connections of the owner's event loop,
+        whenever this connection holds no unparsed bytes: what a read leaves unparsed (a cut
+        frame) moves to a buffer of its own, from a pool, which goes back once all is parsed.  An
+        idle connection then holds no receive buffer (256 KiB each before; issue 23).
+
+        Contract: the owner calls :meth:`get_buffer` and :meth:`buffer_updated` back to back, with
+        no read of another connection sharing ``scratch`` in between, and only from one thread
+        (asyncio's and uvloop's transports on a plain socket do; a reader that waits between the
+        two must not share)."""
+        self._scratch = scratch
+        self._scratch_view = memoryview(scratch)
+        rb = self._rb
+        if rb.start == rb.end and self._long is None:
+            rb.borrow(scratch, self._scratch_view)
+
     def widen_receive_buffer(self) -> None:
         """The handshake chose TCP for framed data: the receive buffer grows to its working size
         (``RECV_BUFFER_SIZE``; it starts at ``MIN_RECV_ROOM``), keeping what it holds.  The owner
         calls it outside a read (no view of the buffer is lent then); nothing happens in any
         other state (RDMA carries the data, or the connection passed through or ended)."""
         rb = self._rb
+        if self._scratch is not None:
+            return  # (reads go into the shared buffer, of the working size)
         if self.state is State.OPEN and self.transport == "tcp" and rb.size < RECV_BUFFER_SIZE:
             rb.reserve(RECV_BUFFER_SIZE - (rb.end - rb.start))
 
@@ -453,8 +475,10 @@ class Connection:
         # at once -- also the allocator's cue that buffers of its size are in use (glibc raises
         # its mmap threshold when a mapped chunk is freed; without it every 256 KiB read buffer
         # of asyncio's transport was mapped and unmapped per read)
-        rb.view.release()
+        if not rb.borrowed:  # (a shared one stays the loop's)
+            rb.view.release()
         self._rb = ReceiveBuffer(0)
+        self._scratch = self._scratch_view = None
         return data
 
     # -- sending -----------------------------------------------------------
@@ -580,6 +604,8 @@ class Connection:
         rb = self._rb
         if rb.start == rb.end:
             rb.start = rb.end = 0
+            if not rb.borrowed and self._scratch is not None:
+                rb.borrow(self._scratch, self._scratch_view)  # type: ignore[arg-type]  # (set together)
             if self.peek:
                 return rb.view[:_HEADER_SIZE]
             if sizehint <= rb.size:
@@ -711,6 +737,11 @@ class Connection:
                     rb.shrink()
                 return []
             rb.start = pos
+        if rb.borrowed:
+            try:
+                return self._parse(lent=True)
+            finally:
+                rb.settle()  # (what is left goes to a buffer of our own: the next read is another's)
         return self._parse(lent=True)
 
     def _land(self, view: memoryview, pos: int, end: int) -> int:
@@ -828,6 +859,8 @@ class Connection:
         n = len(data)
         if not n:
             return []
+        if self._rb.borrowed:
+            self._rb.own()  # (bytes fed, not read into a lent buffer: the shared one is not ours)
         if self._long is not None:
             return self._receive_lending(data)
         sink = self.data_sink

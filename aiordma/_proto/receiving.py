@@ -48,6 +48,7 @@ __all__ = [
     "STREAM_CHUNK",
     "SpareBuffers",
     "SPARES",
+    "ROOMS",
     "RECV_BUFFER_SIZE",
     "MIN_RECV_ROOM",
     "LONG_PEEK",
@@ -76,9 +77,14 @@ class ReceiveBuffer:
     """Bytes ``[start:end]`` of ``buf`` are received and not parsed yet.
 
     Never resized in place (a view lent by ``get_buffer`` may still be alive): only replaced.
-    ``size`` is ``len(buf)``, kept with it (the hot paths read it)."""
+    ``size`` is ``len(buf)``, kept with it (the hot paths read it).
 
-    __slots__ = ("buf", "view", "size", "start", "end")
+    ``borrowed``: ``buf`` is a buffer shared by the connections of one event loop (see
+    ``Connection.share_receive_buffer``), lent for reads while this one holds nothing; what a read
+    leaves unparsed moves to a buffer of its own (:meth:`settle`, from :data:`ROOMS`), which goes
+    back to the pool once all is parsed (:meth:`borrow`).  An idle connection holds none."""
+
+    __slots__ = ("buf", "view", "size", "start", "end", "borrowed")
 
     def __init__(self, size: int = MIN_RECV_ROOM) -> None:
         self.buf = bytearray(size)
@@ -86,6 +92,41 @@ class ReceiveBuffer:
         self.size = size
         self.start = 0
         self.end = 0
+        self.borrowed = False
+
+    def borrow(self, scratch: bytearray, view: memoryview) -> None:
+        """Nothing is held (``start == end``): reads go into ``scratch`` (``view`` of it), and the
+        own buffer, if any, goes back to :data:`ROOMS`."""
+        own = self.buf
+        if not self.borrowed:
+            size = len(own)
+            if size >= _SPARE_MIN and not size & (size - 1):  # (the pool's sizes: powers of two)
+                ROOMS.give(own)
+        self.buf, self.view, self.size = scratch, view, len(scratch)
+        self.start = self.end = 0
+        self.borrowed = True
+
+    def settle(self) -> None:
+        """After a read into the shared buffer: what is left unparsed moves to a buffer of this
+        connection's own (the next connection's read overwrites the shared one)."""
+        if self.borrowed and self.start != self.end:
+            pending = self.end - self.start
+            own = ROOMS.take(max(pending, MIN_RECV_ROOM))
+            own[0:pending] = self.buf[self.start : self.end]
+            self.buf, self.view, self.size = own, memoryview(own), len(own)
+            self.start, self.end = 0, pending
+            self.borrowed = False
+
+    def own(self) -> None:
+        """Leave the shared buffer (it holds nothing of ours then): an empty buffer of one's own."""
+        if self.borrowed:
+            self.settle()
+            if self.borrowed:
+                self.buf = bytearray(0)
+                self.view = memoryview(self.buf)
+                self.size = 0
+                self.start = self.end = 0
+                self.borrowed = False
 
     def reserve(self, room: int) -> None:
         """Make ``room`` bytes free after ``end`` (compacting, or a larger buffer)."""
@@ -103,6 +144,7 @@ class ReceiveBuffer:
             self.buf = new
             self.view = memoryview(new)
             self.size = len(new)
+            self.borrowed = False  # (its own now)
         self.start = 0
         self.end = pending
 
@@ -113,6 +155,7 @@ class ReceiveBuffer:
             self.view = memoryview(self.buf)
             self.size = RECV_BUFFER_SIZE
             self.start = self.end = 0
+            self.borrowed = False
 
 
 class Landing:
@@ -438,3 +481,6 @@ class SpareBuffers:
 
 #: The process's spare buffers (a free list, like the interpreter's own; ``Connection.spares``).
 SPARES: Final = SpareBuffers()
+#: Receive buffers of connections that share one (``ReceiveBuffer.settle``): held only while
+#: a connection has bytes it cannot parse yet (a cut frame), pooled in between.
+ROOMS: Final = SpareBuffers(limit=16 << 20)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +22,7 @@ from .._conn.nowait import NowaitLink, PassedThrough
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
+from .._proto.receiving import RECV_BUFFER_SIZE
 from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, socket_attributes, unacknowledged, write_chunks
 from .window import State as _WatchState
 from .window import WindowWatch, apply_user_timeout, read_sample, set_user_timeout
@@ -36,6 +38,17 @@ _IDLE = _WatchState.IDLE
 PACE = 256 << 10
 #: at most this many buffers per gathered write (the kernel's IOV_MAX)
 _IOV_MAX = 1024
+
+
+#: one receive buffer per event loop, shared by its plain-socket connections (see connection_made)
+_scratches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, bytearray] = weakref.WeakKeyDictionary()
+
+
+def _receive_scratch(loop: asyncio.AbstractEventLoop) -> bytearray:
+    scratch = _scratches.get(loop)
+    if scratch is None:
+        scratch = _scratches[loop] = bytearray(RECV_BUFFER_SIZE)
+    return scratch
 
 
 class _Pace:
@@ -147,6 +160,10 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
+            # reads into one buffer per loop while the connection holds nothing unparsed: the
+            # transport calls get_buffer and buffer_updated back to back (issue 23: an idle
+            # connection holds no receive buffer)
+            self._proto.share_receive_buffer(_receive_scratch(self._loop))
             # large sends pace on asyncio's own transport only: uvloop's drops what the kernel
             # still holds unread when a write fails (the peer closed after our kernel took its
             # CLOSE), and a paced send writes on after the peer's CLOSE came -- the reader then
