@@ -535,17 +535,14 @@ SENDER = textwrap.dedent(
 async def test_the_receive_buffer_takes_its_working_size_only_on_tcp(anyio_backend: Any, kind: str) -> None:
     """A connection's receive buffer is handshake-sized (``MIN_RECV_ROOM``) until the handshake
     chooses TCP for framed data; one that moves to RDMA never allocates the working size (a fresh,
-    zeroed 256 KiB per connect).  On asyncio and uvloop a plain socket's reads go into one buffer
-    per loop while nothing is held (issue 23): a connection then owns none at all.  Messages flow
-    either way."""
+    zeroed 256 KiB per connect).  A plain socket's reads now go into one buffer per loop or thread
+    while nothing is held (issue 23): a connection then owns none at all.  Messages flow either
+    way."""
     from aiordma.testing import channel_pair
 
     async with channel_pair(kind) as (a, b):  # type: ignore[arg-type]
         assert [ch.extra(aiordma.TransportAttribute.transport) for ch in (a, b)] == [kind.replace("sim", "rdma")] * 2
-        if anyio_backend[0] == "asyncio":
-            expected = 0
-        else:
-            expected = RECV_BUFFER_SIZE if kind == "tcp" else MIN_RECV_ROOM
+        expected = 0  # (plain sockets, every loop: reads go into the loop's or thread's shared buffer)
         rbs = [ch._core.proto._rb for ch in (a, b)]  # type: ignore[attr-defined]
         assert [0 if rb.borrowed else rb.size for rb in rbs] == [expected] * 2
         for size in (10, 100_000, 300_000):

@@ -1,11 +1,12 @@
 """Memory per idle TCP connection, both ends in their own processes (issue 23, item 2).
 
-A listener in this process serves ``N`` channels that a client process opens over TCP; each
+A listener in this process serves ``N`` channels that a client process (on the same kind of
+loop) opens over TCP; each
 echoes one message, then all sit idle.  The Python heap each side holds per idle connection
 (``tracemalloc``, the growth over the connections, measured on each side) stays within the
 issue's bound, 32 KiB.  Before issue 23 every connection kept its 256 KiB receive buffer (~270
-KiB each, measured); on asyncio and uvloop a plain socket's reads now go into one buffer per loop
-while a connection holds nothing unparsed (``Connection.share_receive_buffer``).
+KiB each, measured); a plain socket's reads now go into one buffer per loop (asyncio, uvloop) or
+thread (trio) while a connection holds nothing unparsed (``Connection.share_receive_buffer``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ BOUND = 32 << 10
 
 CLIENTS = textwrap.dedent(
     """
-    import asyncio, gc, sys, tracemalloc
+    import gc, sys, tracemalloc
+    import anyio
     import aiordma
 
     async def main(port, n):
@@ -34,7 +36,7 @@ CLIENTS = textwrap.dedent(
         await chans[0].send(b"x" * 64)
         await chans[0].receive()
         print("READY", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # (the listener traces)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # (the listener traces now)
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
@@ -43,22 +45,21 @@ CLIENTS = textwrap.dedent(
             await ch.send(b"x" * 64)
             assert await ch.receive() == b"x" * 64
             chans.append(ch)
-        await asyncio.sleep(0.2)
+        await anyio.sleep(0.2)
         gc.collect()
         print("HEAP", (tracemalloc.get_traced_memory()[0] - base) // n, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
         for ch in chans:
             await ch.aclose()
 
-    asyncio.run(main(*map(int, sys.argv[1:])))
+    backend, uvloop, port, n = sys.argv[1:]
+    anyio.run(main, int(port), int(n), backend=backend,
+              backend_options={"use_uvloop": True} if uvloop == "1" else {})
     """
 )
 
 
 async def test_an_idle_tcp_connection_holds_little_heap_at_either_end(anyio_backend: Any) -> None:
-    if anyio_backend[0] == "trio":
-        pytest.skip("not yet on trio: its reader yields between a read and its parse, so it keeps "
-                    "a receive buffer of its own (issue 23, next step)")  # fmt: skip
     import gc
 
     listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp")
@@ -72,7 +73,8 @@ async def test_an_idle_tcp_connection_holds_little_heap_at_either_end(anyio_back
             idle.set()
         await anyio.sleep_forever()
 
-    proc = subprocess.Popen([sys.executable, "-c", CLIENTS, str(listener.port), str(N)],
+    backend, uvloop = anyio_backend[0], "1" if anyio_backend[0] == "asyncio" and anyio_backend[1] else "0"
+    proc = subprocess.Popen([sys.executable, "-c", CLIENTS, backend, uvloop, str(listener.port), str(N)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     lines = proc.stdout

@@ -9,6 +9,7 @@ the Core's error (and so ``BrokenResourceError`` on the anyio API).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from .._conn.core import ControlLink, Core
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
+from .._proto.receiving import RECV_BUFFER_SIZE
 from .common import CLOSE_TIMEOUT, RECEIVE_SIZE, Linger, closing_failed, unacknowledged
 from .window import State, Step, WindowWatch, apply_user_timeout, read_sample
 
@@ -86,6 +88,17 @@ async def wrap_tls(stream: SocketStream, *, server_side: bool, ssl_context: Any,
                                 ssl_context=ssl_context, standard_compatible=False)  # fmt: skip
 
 
+_local = threading.local()
+
+
+def _receive_scratch() -> bytearray:
+    """This thread's shared receive buffer (a trio run is one thread)."""
+    scratch: bytearray | None = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = bytearray(RECV_BUFFER_SIZE)
+    return scratch
+
+
 class StreamLink(ControlLink):
     """A link over an ``anyio.abc.ByteStream`` (pull model, see module docs)."""
 
@@ -104,6 +117,11 @@ class StreamLink(ControlLink):
         #: a plain TCP stream: sends write its socket here, so that the bytes of a send that is
         #: cancelled after its frame started are known to the byte (see ``send``)
         self._raw: Any = stream.extra(SocketAttribute.raw_socket, None) if isinstance(stream, SocketStream) else None
+        self._yield_after_feed = False  # (a read found its bytes at once: see _pull)
+        if self._raw is not None:
+            # reads go into one buffer per thread while nothing is held unparsed (issue 23): the
+            # read and its parse run with no schedule point between them (_pull, wait_incoming)
+            proto.share_receive_buffer(_receive_scratch())
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._receive_scope: anyio.CancelScope | None = None  # a reader waiting on the socket
@@ -168,6 +186,9 @@ class StreamLink(ControlLink):
                 core.feed_eof(exc)
             else:
                 core.feed(data)
+                if self._yield_after_feed:  # (the read's schedule point, after its parse: others run)
+                    self._yield_after_feed = False
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
                 if self._outbox:
                     await self._flush_outbox()
                 if core.peer_close is not None and not self._eof_sent and not core.closed:
@@ -257,8 +278,10 @@ class StreamLink(ControlLink):
             del view
             if not n:
                 raise EndOfStream
-            if not waited:
-                await anyio.lowlevel.cancel_shielded_checkpoint()  # (a schedule point: others run)
+            # (a schedule point comes after the parse -- see wait_incoming -- not here: the bytes
+            # may be in the thread's shared receive buffer, which another connection's read
+            # would overwrite; see Connection.share_receive_buffer)
+            self._yield_after_feed = not waited
             return n
 
     async def _watched_receive(self, watch: WindowWatch) -> bytes | int:
