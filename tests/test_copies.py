@@ -802,6 +802,19 @@ def resumptions(coro: Any, count: list[int]) -> Any:
             value, error = None, exc
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (for this test) in the returned one-item list."""
+    count = [0]
+    real = getattr(owner, name)
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, counting)
+    return count
+
+
 async def test_a_large_send_to_a_late_reader_wakes_its_task_once(
     anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -810,14 +823,7 @@ async def test_a_large_send_to_a_late_reader_wakes_its_task_once(
     the sending task resumes once, when all went (before, once per write: a loop pass each)."""
     if anyio_backend[0] != "asyncio" or anyio_backend[1]:
         pytest.skip("paced sends are asyncio's own transport's (trio's task writes as it wakes)")
-    writes = [0]
-    real = os.writev
-
-    def counting(fd: int, buffers: Any) -> int:
-        writes[0] += 1
-        return real(fd, buffers)
-
-    monkeypatch.setattr(os, "writev", counting)
+    writes = count_calls(monkeypatch, os, "writev")
     size, payload, listener = await large_send_bed()
     result: list[Any] = []
 
@@ -862,14 +868,7 @@ async def test_a_long_message_wakes_its_waiting_reader_once(
     """A 24 MiB message from another process, into a waiting ``receive_into``: the socket reads it
     in many reads straight into the reader's buffer, and the reader resumes once it is all in
     (before, once per read).  On trio the reading task makes the reads itself (not counted)."""
-    reads = [0]
-    real = Connection.buffer_updated
-
-    def counting(self: Connection, nbytes: int) -> Any:
-        reads[0] += 1
-        return real(self, nbytes)
-
-    monkeypatch.setattr(Connection, "buffer_updated", counting)
+    reads = count_calls(monkeypatch, Connection, "buffer_updated")
     size = 24 << 20
     listener = await aiordma.create_channel_listener("127.0.0.1", 0, transport="tcp", max_message_size=64 << 20)
     result: list[Any] = []
