@@ -535,7 +535,7 @@ SENDER = textwrap.dedent(
 async def test_the_receive_buffer_takes_its_working_size_only_on_tcp(anyio_backend: Any, kind: str) -> None:
     """A connection's receive buffer is handshake-sized (``MIN_RECV_ROOM``) until the handshake
     chooses TCP for framed data; one that moves to RDMA never allocates the working size (a fresh,
-    zeroed 256 KiB per connect).  A plain socket's reads now go into one buffer per loop or thread
+    zeroed 256 KiB per connect).  A plain socket's reads now go into one buffer per thread
     while nothing is held (issue 23): a connection then owns none at all.  Messages flow either
     way."""
     from aiordma.testing import channel_pair

@@ -5,8 +5,8 @@ loop) opens over TCP; each
 echoes one message, then all sit idle.  The Python heap each side holds per idle connection
 (``tracemalloc``, the growth over the connections, measured on each side) stays within the
 issue's bound, 32 KiB.  Before issue 23 every connection kept its 256 KiB receive buffer (~270
-KiB each, measured); a plain socket's reads now go into one buffer per loop (asyncio, uvloop) or
-thread (trio) while a connection holds nothing unparsed (``Connection.share_receive_buffer``).
+KiB each, measured); a plain socket's reads now go into one buffer per thread (every loop)
+while a connection holds nothing unparsed (``Connection.share_receive_buffer``).
 """
 
 from __future__ import annotations

@@ -234,10 +234,9 @@ class Connection:
         # where received bytes land (see aiordma._proto.receiving); handshake-sized until
         # TCP is chosen for the data (widen_receive_buffer)
         self._rb = ReceiveBuffer()
-        #: a receive buffer shared with the other connections of the owner's loop (see
-        #: share_receive_buffer), and a view of it
-        self._scratch: bytearray | None = None
-        self._scratch_view: memoryview | None = None
+        #: a view of the receive buffer shared with the other connections of the owner's thread
+        #: (see share_receive_buffer)
+        self._scratch: memoryview | None = None
         self._long: LongFrame | None = None  # a long MESSAGE read into its own destination
         self._landing: Landing | None = None  # a waiting reader's buffer, for the next message
         #: the last message was long: the next read takes the next header alone
@@ -431,7 +430,7 @@ class Connection:
             self._step(Input.PASS_THROUGH, remote=False)
 
     def share_receive_buffer(self, scratch: bytearray) -> None:
-        """Receive into ``scratch``, a buffer shared by the connections of the owner's event loop,
+        """Receive into ``scratch``, a buffer shared by the connections of the owner's thread,
         whenever this connection holds no unparsed bytes: what a read leaves unparsed (a cut
         frame) moves to a buffer of its own, from a pool, which goes back once all is parsed.  An
         idle connection then holds no receive buffer (256 KiB each before; issue 23).
@@ -440,11 +439,10 @@ class Connection:
         no read of another connection sharing ``scratch`` in between, and only from one thread
         (asyncio's and uvloop's transports on a plain socket do; a reader that waits between the
         two must not share)."""
-        self._scratch = scratch
-        self._scratch_view = memoryview(scratch)
+        self._scratch = memoryview(scratch)
         rb = self._rb
         if rb.start == rb.end and self._long is None:
-            rb.borrow(scratch, self._scratch_view)
+            rb.borrow(self._scratch)
 
     def widen_receive_buffer(self) -> None:
         """The handshake chose TCP for framed data: the receive buffer grows to its working size
@@ -478,7 +476,7 @@ class Connection:
         if not rb.borrowed:  # (a shared one stays the loop's)
             rb.view.release()
         self._rb = ReceiveBuffer(0)
-        self._scratch = self._scratch_view = None
+        self._scratch = None
         return data
 
     # -- sending -----------------------------------------------------------
@@ -605,7 +603,7 @@ class Connection:
         if rb.start == rb.end:
             rb.start = rb.end = 0
             if not rb.borrowed and self._scratch is not None:
-                rb.borrow(self._scratch, self._scratch_view)  # type: ignore[arg-type]  # (set together)
+                rb.borrow(self._scratch)
             if self.peek:
                 return rb.view[:_HEADER_SIZE]
             if sizehint <= rb.size:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Final, Union
+from typing import Final, Union, cast
 
 __all__ = [
     "ReceiveBuffer",
@@ -79,7 +79,7 @@ class ReceiveBuffer:
     Never resized in place (a view lent by ``get_buffer`` may still be alive): only replaced.
     ``size`` is ``len(buf)``, kept with it (the hot paths read it).
 
-    ``borrowed``: ``buf`` is a buffer shared by the connections of one event loop (see
+    ``borrowed``: ``buf`` is a buffer shared by the connections of one thread (see
     ``Connection.share_receive_buffer``), lent for reads while this one holds nothing; what a read
     leaves unparsed moves to a buffer of its own (:meth:`settle`, from :data:`ROOMS`), which goes
     back to the pool once all is parsed (:meth:`borrow`).  An idle connection holds none."""
@@ -94,15 +94,15 @@ class ReceiveBuffer:
         self.end = 0
         self.borrowed = False
 
-    def borrow(self, scratch: bytearray, view: memoryview) -> None:
-        """Nothing is held (``start == end``): reads go into ``scratch`` (``view`` of it), and the
-        own buffer, if any, goes back to :data:`ROOMS`."""
+    def borrow(self, view: memoryview) -> None:
+        """Nothing is held (``start == end``): reads go into the shared buffer ``view`` shows,
+        and the own buffer, if any, goes back to :data:`ROOMS`."""
         own = self.buf
         if not self.borrowed:
             size = len(own)
             if size >= _SPARE_MIN and not size & (size - 1):  # (the pool's sizes: powers of two)
                 ROOMS.give(own)
-        self.buf, self.view, self.size = scratch, view, len(scratch)
+        self.buf, self.view, self.size = cast(bytearray, view.obj), view, view.nbytes
         self.start = self.end = 0
         self.borrowed = True
 

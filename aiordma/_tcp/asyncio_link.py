@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,8 +21,7 @@ from .._conn.nowait import NowaitLink, PassedThrough
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
-from .._proto.receiving import RECV_BUFFER_SIZE
-from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, socket_attributes, unacknowledged, write_chunks
+from .common import CLOSE_TIMEOUT, Linger, closing_failed, ignore_control, receive_scratch, socket_attributes, unacknowledged, write_chunks
 from .window import State as _WatchState
 from .window import WindowWatch, apply_user_timeout, read_sample, set_user_timeout
 
@@ -38,17 +36,6 @@ _IDLE = _WatchState.IDLE
 PACE = 256 << 10
 #: at most this many buffers per gathered write (the kernel's IOV_MAX)
 _IOV_MAX = 1024
-
-
-#: one receive buffer per event loop, shared by its plain-socket connections (see connection_made)
-_scratches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, bytearray] = weakref.WeakKeyDictionary()
-
-
-def _receive_scratch(loop: asyncio.AbstractEventLoop) -> bytearray:
-    scratch = _scratches.get(loop)
-    if scratch is None:
-        scratch = _scratches[loop] = bytearray(RECV_BUFFER_SIZE)
-    return scratch
 
 
 class _Pace:
@@ -160,10 +147,10 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self.fd = int(sock.fileno())  # (a plain socket: gathered writes go to it directly)
-            # reads into one buffer per loop while the connection holds nothing unparsed: the
+            # reads into one buffer per thread while the connection holds nothing unparsed: the
             # transport calls get_buffer and buffer_updated back to back (issue 23: an idle
             # connection holds no receive buffer)
-            self._proto.share_receive_buffer(_receive_scratch(self._loop))
+            self._proto.share_receive_buffer(receive_scratch())
             # large sends pace on asyncio's own transport only: uvloop's drops what the kernel
             # still holds unread when a write fails (the peer closed after our kernel took its
             # CLOSE), and a paced send writes on after the peer's CLOSE came -- the reader then
@@ -619,8 +606,9 @@ class AsyncioLink(asyncio.BufferedProtocol, ControlLink):
     # itself (writev), as much as the kernel takes, and the rest from the loop's callback each
     # time the socket is writable again (the send wakes once, when all went) -- watching a
     # duplicate of its descriptor, which the loop lets us watch (it refuses a transport's own)
-    # and which lives only while the send waits, so it never keeps a closed connection open.  Nothing is copied (before, each 256 KiB piece went through the transport
-    # and what the kernel refused of it was copied: 928 KB of a 24 MiB send to a late reader).
+    # and which lives only while the send waits, so it never keeps a closed connection open.
+    # Nothing is copied (before, each 256 KiB piece went through the transport and what the
+    # kernel refused of it was copied: 928 KB of a 24 MiB send to a late reader).
     # The caller's buffer is the send's until it returns.  Frames stay whole: any other write
     # meanwhile (another send, an answer, the close) first hands the rest of the paced frames to
     # the transport (copied), and the send returns; so does a cancellation.

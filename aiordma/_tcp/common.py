@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,9 +15,10 @@ from anyio import BrokenResourceError
 from anyio.abc import SocketAttribute
 
 from .._proto.protocol import Chunk
+from .._proto.receiving import RECV_BUFFER_SIZE
 
 
-__all__ = ["CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "RECEIVE_SIZE", "Linger", "closing_failed", "ignore_control", "socket_attributes", "unacknowledged", "write_chunks"]
+__all__ = ["CLOSE_TIMEOUT", "DEFAULT_KEEPALIVE", "RECEIVE_SIZE", "Linger", "closing_failed", "ignore_control", "receive_scratch", "socket_attributes", "unacknowledged", "write_chunks"]
 
 log = logging.getLogger("aiordma")
 
@@ -138,3 +140,16 @@ def closing_failed(exc: BaseException) -> BrokenResourceError:
     err = BrokenResourceError(f"the connection broke before the peer had everything: {exc}")
     err.__cause__ = exc
     return err
+
+
+_local = threading.local()
+
+
+def receive_scratch() -> bytearray:
+    """This thread's receive buffer, shared by the plain-socket connections its loops read
+    (``Connection.share_receive_buffer``): a loop -- asyncio's, uvloop's, a trio run -- is one
+    thread, and both links read and parse with nothing in between."""
+    scratch: bytearray | None = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = bytearray(RECV_BUFFER_SIZE)
+    return scratch

@@ -9,7 +9,6 @@ the Core's error (and so ``BrokenResourceError`` on the anyio API).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +20,7 @@ from .._conn.core import ControlLink, Core
 from .._errors import HandshakeError, ProtocolError
 from .._io.backends import IOBackend, Watch
 from .._proto.protocol import Chunk, CloseCode, Connection
-from .._proto.receiving import RECV_BUFFER_SIZE
-from .common import CLOSE_TIMEOUT, RECEIVE_SIZE, Linger, closing_failed, unacknowledged
+from .common import CLOSE_TIMEOUT, RECEIVE_SIZE, Linger, closing_failed, receive_scratch, unacknowledged
 from .window import State, Step, WindowWatch, apply_user_timeout, read_sample
 
 __all__ = ["StreamLink", "SocketWriter", "wrap_tls"]
@@ -88,17 +86,6 @@ async def wrap_tls(stream: SocketStream, *, server_side: bool, ssl_context: Any,
                                 ssl_context=ssl_context, standard_compatible=False)  # fmt: skip
 
 
-_local = threading.local()
-
-
-def _receive_scratch() -> bytearray:
-    """This thread's shared receive buffer (a trio run is one thread)."""
-    scratch: bytearray | None = getattr(_local, "scratch", None)
-    if scratch is None:
-        scratch = _local.scratch = bytearray(RECV_BUFFER_SIZE)
-    return scratch
-
-
 class StreamLink(ControlLink):
     """A link over an ``anyio.abc.ByteStream`` (pull model, see module docs)."""
 
@@ -121,7 +108,7 @@ class StreamLink(ControlLink):
         if self._raw is not None:
             # reads go into one buffer per thread while nothing is held unparsed (issue 23): the
             # read and its parse run with no schedule point between them (_pull, wait_incoming)
-            proto.share_receive_buffer(_receive_scratch())
+            proto.share_receive_buffer(receive_scratch())
         self._window: WindowWatch | None = None  # (set_keepalive): slow is not dead
         self._window_sock: Any = None
         self._receive_scope: anyio.CancelScope | None = None  # a reader waiting on the socket
