@@ -28,7 +28,8 @@ from ._api import (
     create_channel_listener,
     create_listener,
 )
-from ._attributes import TransportAttribute
+from ._attributes import ConnectionStats, TransportAttribute
+from ._conn.stats import Stats, stats
 from ._conn.memory import (
     BufferBusyError,
     MemoryStats,
@@ -74,6 +75,9 @@ __all__ = [
     "StreamListener",
     "ChannelListener",
     "TransportAttribute",
+    "stats",
+    "Stats",
+    "ConnectionStats",
     "RegisteredBuffer",
     "RegisteredMemory",
     "register",

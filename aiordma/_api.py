@@ -27,6 +27,7 @@ from ._conn import remote as _remote
 from ._attributes import TransportAttribute
 from ._conn.core import Core
 from ._conn.memory import RegisteredMemory
+from ._conn.stats import connection_stats
 from ._proto.onesided import RemoteBuffer
 from ._tcp.accept import Acceptor
 from ._proto.admission import DEFAULT_BACKLOG, DEFAULT_HELLO_TIMEOUT
@@ -117,6 +118,7 @@ class _Endpoint:
                 TransportAttribute.fallback_reason: lambda: core.fallback_reason,
                 TransportAttribute.mode: lambda: "stream" if proto.mode is Mode.STREAM else "messages",
                 TransportAttribute.max_message_size: lambda: proto.max_message_size,
+                TransportAttribute.stats: lambda: connection_stats(core),
             }
         )
         if peer is not None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import anyio
 
+from ._conn.stats import connection_stats
 from ._conn.core import Core
 from ._conn.nowait import Nowait, PassedThrough
 from ._proto.protocol import Half, Mode
@@ -68,7 +69,8 @@ def reset_error(core: Core) -> ConnectionResetError:
 def extra_info(core: Core, now: Nowait, name: str, default: Any = None) -> Any:
     """``get_extra_info`` of aiordma's asyncio objects: ``"aiordma_transport"`` (``"tcp"`` or
     ``"rdma"``), ``"aiordma_fallback_reason"``, ``"aiordma_mode"``, ``"aiordma_passed_through"``
-    (the data goes unframed: see ``State.PASSED_THROUGH``); the other names from the
+    (the data goes unframed: see ``State.PASSED_THROUGH``), ``"aiordma_stats"`` (its counters, an
+    ``aiordma.ConnectionStats``); the other names from the
     TCP transport underneath (``peername``, ``sockname``, ``socket``, ``ssl_object`` ...)."""
     if name == "aiordma_transport":
         return core.transport
@@ -78,6 +80,8 @@ def extra_info(core: Core, now: Nowait, name: str, default: Any = None) -> Any:
         return "stream" if core.proto.mode is Mode.STREAM else "messages"
     if name == "aiordma_passed_through":
         return core.proto.passed_through
+    if name == "aiordma_stats":
+        return connection_stats(core)
     transport = now.transport
     if transport is None:
         return default

@@ -65,6 +65,7 @@ from .._proto.protocol import (
 )
 from .._proto.receiving import SpareMessage, StreamBuffer
 from .memory import find_registered
+from .stats import Counts, retired
 
 __all__ = ["Core", "Link", "ControlLink", "NicOps", "NicRegion"]
 
@@ -256,6 +257,8 @@ class Core:
         self.rndv_min = 1 << 62
         #: one-sided operations on the NIC, rendezvous (the RDMA link's native path sets it)
         self.nic: NicOps | None = None
+        #: what the links count (aiordma.stats; the protocol and ``rbuf`` count the rest)
+        self.counts = Counts()
         link.attach(self)
 
     @property
@@ -282,8 +285,12 @@ class Core:
             if nic is None:
                 self.on_error(RemoteProtocolError("a rendezvous message on a connection that cannot READ it"))
                 return
+            self.counts.rendezvous_received += len(arrived)
             if self.proto.mode is Mode.MESSAGES:
                 self.messages.extend(arrived)  # type: ignore[arg-type]  # (in their place)
+                proto = self.proto
+                proto.received_messages += len(arrived)
+                proto.received_message_bytes += sum(rv.length for rv in arrived)
             else:
                 # (the protocol paused after it: one at a time; the link READs it into rbuf and
                 # resumes the protocol, see resume_after_rendezvous)
@@ -617,6 +624,7 @@ class Core:
                     raise
                 mid, payload = self.memory.rendezvous(min(piece, n - pos), lent.addr, lent.rkey)
                 nic.rndv_hold_lent(mid, lent)
+                self.counts.rendezvous_sent += 1
                 out.append((mid, lent))
                 await self.link.send([self.proto.send_memory(payload)])
             while any(nic.rndv_lent_out(mid) for mid, _ in out):
@@ -641,6 +649,10 @@ class Core:
         # error or a cancellation: a traceback that kept one would keep the caller's buffer from
         # closing -- BufferError -- long after the send)
         with memoryview(data) as whole:
+            proto = self.proto
+            proto.sent_bytes += whole.nbytes
+            if proto.mode is Mode.MESSAGES:
+                proto.sent_messages += 1
             if whole.format == "B" and whole.ndim == 1:
                 await self._rendezvous_view(nic, whole)
             else:
@@ -685,6 +697,7 @@ class Core:
             raise
         mid, payload = self.memory.rendezvous(n, region.addr, rkey)
         nic.rndv_hold(mid, region, grant)
+        self.counts.rendezvous_sent += 1
         await self.link.send([self.proto.send_memory(payload)])
 
     async def _fetch_rendezvous(self, nic: NicOps, rv: Rendezvous, view: memoryview | None = None) -> bytes | int:
@@ -725,6 +738,7 @@ class Core:
         error = self.error
         self.closed = True
         self.discard()
+        retired(self)  # (its counts join the process's totals)
         if isinstance(error, AuthenticationError):
             return self.proto.close(CloseCode.REFUSED, str(error))
         if error is not None and isinstance(error, (ProtocolError, HandshakeError)):

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from .._conn.core import ControlLink, Core
 from .._conn.nowait import PassThroughLink
+from .._conn.stats import opened
 from .limits import ListenerBudget, ring_bytes
 from .._errors import AuthenticationError, HandshakeError, ProtocolError, RDMAUnavailableError
 from .._proto.protocol import (
@@ -252,11 +253,13 @@ async def client_handshake(
             core.transport = "tcp"
             core.fallback_reason = reason
             proto.widen_receive_buffer()  # (TCP carries the data: the buffer's working size)
+            opened(core)
             return
         assert endpoint is not None
         await core.link.send([proto.select("rdma", "")])
         endpoint.activate(core, _control(core))
         endpoint = None  # owned by the Core now
+        opened(core)
     finally:
         if endpoint is not None:
             await endpoint.discard()
@@ -330,6 +333,7 @@ async def server_handshake(
             core.transport = "tcp"
             core.fallback_reason = selected.reason
             proto.widen_receive_buffer()  # (TCP carries the data: the buffer's working size)
+        opened(core)
     finally:
         if endpoint is not None:
             await endpoint.discard()

@@ -258,6 +258,12 @@ class Connection:
         self.data_sink: StreamBuffer | None = None
         #: where whole MESSAGE payloads go in message mode (no Message events for them)
         self.message_sink: MessageSink | None = None
+        #: counters (aiordma.stats): payload bytes and messages framed to send, messages and their
+        #: bytes decoded (a byte stream's received bytes are counted by its ``data_sink``)
+        self.sent_bytes = 0
+        self.sent_messages = 0
+        self.received_messages = 0
+        self.received_message_bytes = 0
 
     # -- state machinery ---------------------------------------------------
 
@@ -500,6 +506,7 @@ class Connection:
         if type(data) is not bytes and type(data) is not bytearray:
             data = _byte_view(data)  # count bytes, not items of a typed view
         n = len(data)
+        self.sent_bytes += n
         limit = self._peer_max_frame
         if n <= COALESCE_LIMIT:
             return [_JOIN((_pack_u64(_DATA_HEADER | n), data))] if n else []
@@ -525,6 +532,8 @@ class Connection:
         n = len(data)
         if n > self._peer_max_message:
             raise LocalProtocolError(f"message of {n} bytes exceeds the peer's limit of {self._peer_max_message}")
+        self.sent_messages += 1
+        self.sent_bytes += n
         if n <= COALESCE_LIMIT:
             return [_JOIN((_pack_header(_T_MESSAGE, 0, 0, n), data))]
         return [_pack_header(_T_MESSAGE, 0, 0, n), data if isinstance(data, bytes) else memoryview(data)]
@@ -758,6 +767,8 @@ class Connection:
             return pos  # (too large for it: it goes to the sink, where the reader finds it)
         landing.view[:length] = view[first : first + length]
         landing.length = length
+        self.received_messages += 1
+        self.received_message_bytes += length
         end_: int = first + length
         return end_
 
@@ -786,6 +797,8 @@ class Connection:
             if self.state not in _READING:
                 self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
             self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
+        self.received_messages += 1
+        self.received_message_bytes += long.length
         landing = long.landing
         if landing is not None:
             landing.length = long.length
@@ -847,6 +860,8 @@ class Connection:
             pos = first + length
             sink.append(bytes(view[first:pos]))
             sink.nbytes += length
+            self.received_messages += 1
+            self.received_message_bytes += length
         return pos
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
@@ -888,6 +903,8 @@ class Connection:
                     pos = first + length
                     msink.append(bytes(view[first:pos]))
                     msink.nbytes += length
+                    self.received_messages += 1
+                    self.received_message_bytes += length
                 if pos == n:
                     return []
                 rb.reserve(n - pos)
@@ -1150,6 +1167,8 @@ class Connection:
             if self.state not in _READING:
                 self._half_step(Half.CLOSED, HalfInput.MESSAGE, remote=True)
             self.recv_half = self._half_step(self.recv_half, HalfInput.MESSAGE, remote=True)
+            self.received_messages += 1
+            self.received_message_bytes += len(payload)
             landing = self._landing
             if landing is not None:  # the next message is the waiting reader's, if it fits
                 self._landing = None

@@ -237,15 +237,17 @@ class StreamBuffer:
     that takes a whole chunk gets that very ``bytes`` object: a byte that came in a read and is
     taken whole is copied once after the kernel's (into its chunk), where a ``bytearray`` in
     between cost two (into it, then out of it).  Taking part of a chunk copies that part.
-    ``len()`` is the count of bytes held (kept, not summed)."""
+    ``len()`` is the count of bytes held (kept, not summed); ``received`` counts every byte ever
+    added (aiordma.stats)."""
 
-    __slots__ = ("_chunks", "_head", "nbytes")
+    __slots__ = ("_chunks", "_head", "nbytes", "received")
 
     def __init__(self) -> None:
         self._chunks: deque[bytes | bytearray] = deque()
         #: bytes of the first chunk already taken
         self._head = 0
         self.nbytes = 0
+        self.received = 0
 
     def __len__(self) -> int:
         return self.nbytes
@@ -262,6 +264,7 @@ class StreamBuffer:
         if data.__class__ is bytes:
             self._chunks.append(data)  # (bytes: checked above)
             self.nbytes += n
+            self.received += n
         else:
             with memoryview(data) as view:
                 self.add_parts([view])
@@ -276,6 +279,7 @@ class StreamBuffer:
                 if n:
                     self._chunks.append(parts[0].tobytes())
                     self.nbytes += n
+                    self.received += n
                 return
         chunks = self._chunks
         pending: list[memoryview] = []
@@ -291,10 +295,12 @@ class StreamBuffer:
                 if size == STREAM_CHUNK:
                     chunks.append(pending[0].tobytes() if len(pending) == 1 else b"".join(pending))
                     self.nbytes += size
+                    self.received += size
                     pending, size = [], 0
         if size:
             chunks.append(pending[0].tobytes() if len(pending) == 1 else b"".join(pending))
             self.nbytes += size
+            self.received += size
 
     def __bytes__(self) -> bytes:
         """All that is held, without taking it (a copy)."""

@@ -199,6 +199,8 @@ class RdmaLink(Link):
         core.link = self
         core.transport = "rdma"
         core.fallback_reason = ""
+        res = self.res
+        core.counts.pinned_bytes = sum(mr.length for mr in (res.recv_mr, res.send_mr) if mr is not None)
         # (the rendezvous only towards a peer that READs it: its HELLO says so)
         peer = self.res.peer
         threshold = self.rendezvous_threshold
@@ -499,6 +501,7 @@ class RdmaLink(Link):
             await self.park()
             return wanted
         # only the peer's credits release it: a wait the liveness plan watches, like a reader's
+        self.core.counts.credit_stalls += 1
         watch = self.watch
         if not watch.watched and watch.probing:
             watch.watch()

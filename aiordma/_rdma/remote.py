@@ -545,6 +545,8 @@ class RemoteOps:
                 core.on_error(RemoteMemoryError(f"the rendezvous READ failed: {wc_status_name(status)}"))
                 return
             if rv.length:
+                core.counts.reads += 1
+                core.counts.read_bytes += rv.length
                 stage = region.view(0, rv.length)
                 try:
                     core.rbuf += stage
@@ -597,6 +599,14 @@ class RemoteOps:
     async def _one_sided(self, write: bool, laddr: int, length: int, lkey: int, raddr: int, rkey: int) -> None:
         session = self._onesided()
         status = await self._post_and_wait(lambda: session.post_onesided(write, laddr, length, lkey, raddr, rkey))
+        if not status:
+            counts = self._link.core.counts
+            if write:
+                counts.writes += 1
+                counts.written_bytes += length
+            else:
+                counts.reads += 1
+                counts.read_bytes += length
         if status in (WCStatus.WR_FLUSH_ERR, WCStatus.RETRY_EXC_ERR):
             # the connection failed (or our NIC gave up on a silent peer): not the memory's fault
             broken = BrokenResourceError(f"the RDMA connection failed during the operation ({wc_status_name(status)})")
