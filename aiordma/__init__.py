@@ -29,7 +29,9 @@ from ._api import (
     create_listener,
 )
 from ._attributes import ConnectionStats, TransportAttribute
-from ._conn.stats import Stats, stats
+from ._conn.stats import Stats
+from . import metrics
+from .metrics import serve_stats, stats
 from ._conn.memory import (
     BufferBusyError,
     MemoryStats,
@@ -77,6 +79,8 @@ __all__ = [
     "TransportAttribute",
     "stats",
     "Stats",
+    "serve_stats",
+    "metrics",
     "ConnectionStats",
     "RegisteredBuffer",
     "RegisteredMemory",

@@ -28,6 +28,8 @@ class ConnectionStats:
     are not counted); messages count on message channels only.  A large message or stream piece
     sent by rendezvous counts in both (and in ``rendezvous_*``)."""
 
+    #: this process's number for the connection (1, 2, ... in the order their handshakes ended)
+    id: int = 0
     #: ``"tcp"`` or ``"rdma"``, and why TCP (``""`` on RDMA)
     transport: str = "tcp"
     fallback_reason: str = ""

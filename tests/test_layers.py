@@ -42,6 +42,7 @@ LAYERS: list[tuple[int, str]] = [
     (5, "aiordma.grpc"),
     (5, "aiordma._dask"),
     (5, "aiordma._perf"),
+    (5, "aiordma.metrics"),
     (6, "aiordma._cli"),
     (6, "aiordma.testing"),
     (6, "aiordma.__main__"),

@@ -236,3 +236,104 @@ def test_fallback_reasons_are_bounded(n: int) -> None:
     assert fallbacks[stats_module.OTHER] == n
     stats_module.reset()
 
+
+
+def test_prometheus_text_carries_the_totals() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def traffic() -> None:
+        async with channel_pair("tcp") as (a, b):
+            for size in (10, 2000, 70000):
+                await a.send(b"p" * size)
+                await b.receive()
+
+    stats_module.reset()
+    anyio.run(traffic)
+    text = aiordma.metrics.prometheus_text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    assert samples[("aiordma_sent_bytes_total", ())] == 72010
+    assert samples[("aiordma_received_bytes_total", ())] == 72010
+    assert samples[("aiordma_sent_messages_total", ())] == 3
+    assert samples[("aiordma_connections_opened_total", (("transport", "tcp"),))] == 2
+    assert samples[("aiordma_connections_open", (("transport", "tcp"),))] == 0
+    reason = "client: transport='tcp' was requested"
+    assert samples[("aiordma_fallbacks_total", (("reason", reason),))] == 2
+    assert ("aiordma_pinned_bytes", ()) in samples
+
+
+SERVED = textwrap.dedent(
+    """
+    import sys, time
+    import anyio
+    import aiordma
+    from aiordma.testing import channel_pair
+
+    async def main(path):
+        with aiordma.serve_stats(path):
+            async with channel_pair("tcp") as (a, b):
+                for _ in range(20):
+                    await a.send(b"q" * 5000)
+                    await b.receive()
+                print("READY", flush=True)
+                await anyio.to_thread.run_sync(sys.stdin.readline)
+                time.sleep(4)  # (the event loop is blocked: the endpoint still answers)
+                print("UNBLOCKED", flush=True)
+                await anyio.to_thread.run_sync(sys.stdin.readline)
+
+    anyio.run(main, sys.argv[1])
+    """
+)
+
+
+def test_top_reads_another_process_and_the_endpoint_survives_rude_clients(tmp_path: Any) -> None:
+    import os
+    import socket
+    import stat
+    import time
+
+    path = str(tmp_path / "stats.sock")
+    proc = subprocess.Popen([sys.executable, "-c", SERVED, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        # rude clients: one that leaves at once, one that sends junk, one that says nothing
+        with socket.socket(socket.AF_UNIX) as rude:
+            rude.connect(path)
+        with socket.socket(socket.AF_UNIX) as junk:
+            junk.connect(path)
+            junk.sendall(os.urandom(64))
+            junk.settimeout(5)
+            assert junk.recv(1)  # (junk is not a known request: it gets the JSON snapshot)
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(path)
+        snap = aiordma.metrics.read_stats(path)
+        silent.close()
+        assert snap["open"] == {"tcp": 2} and len(snap["connections"]) == 2
+        assert snap["totals"]["bytes_sent"] == 20 * 5000 and snap["totals"]["messages_received"] == 20
+        assert {c["role"] for c in snap["connections"]} == {"client", "server"}
+        # the loop blocked: the endpoint's thread still answers
+        proc.stdin.write("block\n")
+        proc.stdin.flush()
+        time.sleep(0.3)
+        started = time.monotonic()
+        blocked = aiordma.metrics.read_stats(path)
+        assert time.monotonic() - started < 3.0  # (the loop is blocked for 4 s)
+        assert blocked["totals"] == snap["totals"]
+        assert proc.stdout.readline().strip() == "UNBLOCKED"
+        top = subprocess.run([sys.executable, "-m", "aiordma", "top", path, "--once", "--interval", "0.2"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert top.returncode == 0, top.stderr
+        lines = top.stdout.splitlines()
+        assert "open: 2 tcp" in lines[0]
+        assert sum(1 for line in lines if line.startswith("127.0.0.1:")) == 2
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.exists(path)  # (the endpoint's close removed its socket)
+    finally:
+        proc.kill()
+        proc.wait()
+    gone = subprocess.run([sys.executable, "-m", "aiordma", "top", path, "--once"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode != 0 and "aiordma top:" in gone.stderr

@@ -1,4 +1,4 @@
-"""The ``aiordma`` command: ``aiordma info`` and ``aiordma demo``.
+"""The ``aiordma`` command: ``aiordma info``, ``aiordma demo``, ``aiordma perf`` and ``aiordma top``.
 
 ``aiordma info`` tells what this host has (versions, the native verbs module,
 RDMA devices with their ports and GIDs from sysfs) and which transport
@@ -11,6 +11,9 @@ messages come back intact (message boundaries, the empty message included),
 and prints the transport, the fallback reason and a few figures: 64 B round
 trip latency, byte-stream throughput and message rate.  It exits with 1 when a
 check fails.
+
+``aiordma top [PID]`` shows a live table of a process's connections, read from the stats
+endpoint that process serves (``aiordma.serve_stats()``; see ``aiordma/metrics.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .common import EXIT_FAILED, MiB, parse_positive, parse_size
 from .demo import cmd_demo
 from .info import _version, cmd_info
 from .perf import _sizes, cmd_perf
+from .top import cmd_top
 
 __all__ = ["main", "build_parser"]
 
@@ -135,6 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio",
                        help="event loop (default asyncio)")  # fmt: skip
         p.set_defaults(func=cmd_perf)
+
+    top = sub.add_parser(
+        "top",
+        help="a live table of a process's aiordma connections",
+        description=(
+            "Read the counters of a process that serves them (aiordma.serve_stats(): a unix socket in this "
+            "user's stats directory) and redraw them every --interval seconds: totals and rates, devices, "
+            "and one row per connection, busiest first."
+        ),
+    )
+    top.add_argument("target", nargs="?", default=None,
+                     help="a PID or a socket path (default: the only process that serves its stats)")  # fmt: skip
+    top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between snapshots (default 1)")
+    top.add_argument("--rows", type=parse_positive, default=40, metavar="N", help="connections shown (default 40)")
+    top.add_argument("--once", action="store_true", help="print one table (rates over --interval) and exit")
+    top.set_defaults(func=cmd_top)
     return parser
 
 

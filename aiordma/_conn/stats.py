@@ -43,7 +43,7 @@ class Counts:
     """What a connection's links count (the RDMA link, its one-sided operations); the Core owns it."""
 
     __slots__ = ("rendezvous_sent", "rendezvous_received", "reads", "writes", "read_bytes", "written_bytes",
-                 "credit_stalls", "pinned_bytes", "opened_at", "peer")  # fmt: skip
+                 "credit_stalls", "pinned_bytes", "opened_at", "peer", "id")  # fmt: skip
 
     def __init__(self) -> None:
         self.rendezvous_sent = 0  # messages (or stream pieces) the peer READ from us
@@ -56,6 +56,7 @@ class Counts:
         self.pinned_bytes = 0  # registered ring bytes this connection holds now
         self.opened_at = 0.0  # time.monotonic() at the end of the handshake
         self.peer = ""  # the TCP peer's address, "host:port" (read at the end of the handshake)
+        self.id = 0  # this process's number for the connection (1, 2, ...; 0: not opened)
 
 
 #: the counters that add up into the process's totals
@@ -100,6 +101,9 @@ class Stats:
     memory: MemoryStats | None = None
     #: each open connection (when asked for: ``stats(connections=True)``)
     connections: tuple[ConnectionStats, ...] = ()
+    #: each RDMA device this process has open: ``connections`` (its users now) and the device's
+    #: own RNR and retry counters from sysfs (for the whole device: every process on it)
+    devices: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """Plain data (JSON-able): what the stats endpoint sends."""
@@ -110,6 +114,7 @@ class Stats:
             "totals": dict(self.totals),
             "memory": {f.name: getattr(self.memory, f.name) for f in fields(MemoryStats)} if self.memory else {},
             "connections": [{f.name: getattr(c, f.name) for f in fields(ConnectionStats)} for c in self.connections],
+            "devices": {name: dict(counts) for name, counts in self.devices.items()},
         }
         return out
 
@@ -120,6 +125,7 @@ class _Registry:
         self.opened: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self.retired = dict.fromkeys(SUMMED, 0)
+        self.serial = 0
 
 
 _registry = _Registry()
@@ -130,6 +136,8 @@ def opened(core: Counted) -> None:
     reg = _registry
     counts = core.counts
     counts.opened_at = time.monotonic()
+    reg.serial += 1
+    counts.id = reg.serial
     try:
         get_peer = core.link.extra_attributes.get(SocketAttribute.remote_address)
         peer = get_peer() if get_peer is not None else None
@@ -173,6 +181,7 @@ def connection_stats(core: Counted) -> ConnectionStats:
     except Exception:  # (a link that is gone: no address to tell)
         pass
     return ConnectionStats(
+        id=counts.id,
         transport=core.transport,
         fallback_reason=core.fallback_reason,
         mode="messages" if proto.mode else "stream",

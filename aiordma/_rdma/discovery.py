@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass, field
+from typing import Final
 
 from .._errors import RDMAError, RDMAUnavailableError
 from .constants import GidEntry, gid_bytes
@@ -22,6 +23,7 @@ __all__ = [
     "Probe",
     "probe",
     "SYSFS_IB",
+    "retry_counters",
     "GidEntry",
     "PortInfo",
     "DeviceInfo",
@@ -68,6 +70,37 @@ def _read(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+#: the device counters that tell of RNR and retries (rxe: rcvd_rnr_err, send_rnr_err,
+#: retry_exceeded_err, retry_rnr_exceeded_err, completer_retry_err; mlx5: rnr_nak_retry_err,
+#: local_ack_timeout_err, ...): names holding one of these
+RETRY_COUNTER_WORDS: Final = ("rnr", "retry", "timeout", "seq_err", "out_of_seq")
+
+
+def retry_counters(dev: str, *, sysfs_root: str = SYSFS_IB) -> dict[str, int]:
+    """The device's RNR and retry counters from sysfs (``hw_counters`` of the device and of each
+    port, summed by name), ``{}`` where it has none (the simulated wire; drivers without them).
+    They count for the whole device: every process and connection on it."""
+    out: dict[str, int] = {}
+    base = os.path.join(sysfs_root, dev)
+    dirs = [os.path.join(base, "hw_counters")]
+    try:
+        dirs += [os.path.join(base, "ports", p, "hw_counters") for p in os.listdir(os.path.join(base, "ports"))]
+    except OSError:
+        pass
+    for d in dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            if name == "lifespan" or not any(word in name for word in RETRY_COUNTER_WORDS):
+                continue
+            raw = _read(os.path.join(d, name))
+            if raw is not None and raw.isdigit():
+                out[name] = out.get(name, 0) + int(raw)
+    return out
 
 
 def _gid_type(raw: str | None, link_layer: str) -> str:
