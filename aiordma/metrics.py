@@ -92,6 +92,10 @@ def _families(snap: Stats) -> Iterator[Any]:
     for reason, n in sorted(snap.fallbacks.items()):
         fallbacks.add_metric([reason], n)
     yield fallbacks
+    failures = CounterMetricFamily("aiordma_connection_failures", "Connections that broke, by cause", labels=["cause"])
+    for what, n in sorted(snap.failures.items()):
+        failures.add_metric([what], n)
+    yield failures
     for key, (name, text) in _COUNTERS.items():
         yield CounterMetricFamily(name, text, value=snap.totals.get(key, 0))
     mem = snap.memory

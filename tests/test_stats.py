@@ -337,3 +337,20 @@ def test_top_reads_another_process_and_the_endpoint_survives_rude_clients(tmp_pa
         proc.wait()
     gone = subprocess.run([sys.executable, "-m", "aiordma", "top", path, "--once"], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0 and "aiordma top:" in gone.stderr
+
+
+async def test_broken_connections_are_counted_by_cause(anyio_backend: Any) -> None:
+    from aiordma.testing import Fault
+
+    from .test_faults import client_end, conversation
+
+    stats_module.reset()
+    trace = await conversation("sim", (Fault("rnr", "server", 3),), messages=True)
+    assert "RNR_RETRY_EXC_ERR" in client_end(trace), trace
+    failures = aiordma.stats().failures
+    assert failures.get("RDMAError: IBV_WC_RNR_RETRY_EXC_ERR", 0) >= 1, failures
+    assert 'aiordma_connection_failures_total{cause="RDMAError: IBV_WC_RNR_RETRY_EXC_ERR"}' in aiordma.metrics.prometheus_text()
+    stats_module.reset()
+    trace = await conversation("tcp", (Fault("reset", "server", 3),), messages=True)
+    failures = aiordma.stats().failures
+    assert sum(failures.values()) >= 1 and "RDMAError: IBV_WC_RNR_RETRY_EXC_ERR" not in failures, failures

@@ -77,6 +77,8 @@ def render(snap: dict[str, Any], before: dict[str, Any] | None = None, dt: float
     ]
     for reason, n in sorted(snap.get("fallbacks", {}).items(), key=lambda item: -item[1])[:3]:
         lines.append(f"fallback x{n}: {reason}")
+    for what, n in sorted(snap.get("failures", {}).items(), key=lambda item: -item[1])[:3]:
+        lines.append(f"broken x{n}: {what}")
     for device, counts in sorted(snap.get("devices", {}).items()):
         extra = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "connections" and v)
         lines.append(f"device {device}: {counts.get('connections', 0)} users" + (f"; {extra}" if extra else ""))

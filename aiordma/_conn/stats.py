@@ -28,6 +28,7 @@ from typing import Any, Final, Protocol
 from anyio.abc import SocketAttribute
 
 from .._attributes import ConnectionStats, TransportAttribute
+from .._errors import RDMAError
 from .._proto.protocol import Connection
 from .._proto.receiving import StreamBuffer
 from .memory import MemoryStats, memory_stats
@@ -77,6 +78,7 @@ class Counted(Protocol):
     counts: Counts
     transport: str
     fallback_reason: str
+    error: BaseException | None
 
     @property
     def link(self) -> _Attributed: ...
@@ -95,6 +97,9 @@ class Stats:
     opened: dict[str, int] = field(default_factory=dict)
     #: connections that fell back to TCP, by reason (at most MAX_REASONS, then OTHER)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    #: connections that broke, by cause: the error's class, and for a failed work completion its
+    #: status (``"RDMAError: IBV_WC_RNR_RETRY_EXC_ERR"``: the peer had no receive posted, retries ran out)
+    failures: dict[str, int] = field(default_factory=dict)
     #: every counter of :data:`SUMMED`, over closed and open connections
     totals: dict[str, int] = field(default_factory=dict)
     #: registered memory (aiordma.memory_stats)
@@ -111,6 +116,7 @@ class Stats:
             "open": dict(self.open),
             "opened": dict(self.opened),
             "fallbacks": dict(self.fallbacks),
+            "failures": dict(self.failures),
             "totals": dict(self.totals),
             "memory": {f.name: getattr(self.memory, f.name) for f in fields(MemoryStats)} if self.memory else {},
             "connections": [{f.name: getattr(c, f.name) for f in fields(ConnectionStats)} for c in self.connections],
@@ -124,6 +130,7 @@ class _Registry:
         self.live: weakref.WeakSet[Counted] = weakref.WeakSet()
         self.opened: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
         self.retired = dict.fromkeys(SUMMED, 0)
         self.serial = 0
 
@@ -148,12 +155,24 @@ def opened(core: Counted) -> None:
     elif peer:
         counts.peer = str(peer)
     reg.opened[core.transport] = reg.opened.get(core.transport, 0) + 1
-    reason = core.fallback_reason
-    if reason:
-        if reason not in reg.fallbacks and len(reg.fallbacks) >= MAX_REASONS:
-            reason = OTHER
-        reg.fallbacks[reason] = reg.fallbacks.get(reason, 0) + 1
+    if core.fallback_reason:
+        _count(reg.fallbacks, core.fallback_reason)
     reg.live.add(core)
+
+
+def _count(table: dict[str, int], key: str) -> None:
+    if key not in table and len(table) >= MAX_REASONS:
+        key = OTHER
+    table[key] = table.get(key, 0) + 1
+
+
+def cause(err: BaseException) -> str:
+    """How :attr:`Stats.failures` names an error: its class, and a work completion's status."""
+    while not isinstance(err, RDMAError) and err.__cause__ is not None and type(err).__name__ == "BrokenResourceError":
+        err = err.__cause__  # (anyio's wrapper: what broke it)
+    if isinstance(err, RDMAError) and err.wc_status:
+        return f"RDMAError: {err.wc_status}"
+    return type(err).__name__
 
 
 def retired(core: Counted) -> None:
@@ -161,6 +180,8 @@ def retired(core: Counted) -> None:
     reg = _registry
     if core in reg.live:
         reg.live.discard(core)
+        if core.error is not None:
+            _count(reg.failures, cause(core.error))
         snap = connection_stats(core)
         retired_ = reg.retired
         for name in SUMMED:
@@ -238,6 +259,7 @@ def stats(connections: bool = False) -> Stats:
         open=open_,
         opened=dict(reg.opened),
         fallbacks=dict(reg.fallbacks),
+        failures=dict(reg.failures),
         totals=totals,
         memory=memory_stats(),
         connections=tuple(snaps) if connections else (),
@@ -249,4 +271,5 @@ def reset() -> None:
     reg = _registry
     reg.opened.clear()
     reg.fallbacks.clear()
+    reg.failures.clear()
     reg.retired = dict.fromkeys(SUMMED, 0)
