@@ -32,7 +32,7 @@ WHEEL_DIR = ROOT / "build" / "wheel-test"
 PROVIDERS = {
     "anyio": "anyio", "cffi": "cffi", "sniffio": "sniffio", "trio": "trio", "uvloop": "uvloop",
     "grpclib": "grpclib", "distributed": "distributed", "dask": "distributed", "rich": "rich",
-    "matplotlib": "matplotlib",
+    "matplotlib": "matplotlib", "prometheus_client": "prometheus_client",
 }  # fmt: skip
 #: modules of an extra, and the only places that import them (each says which extra it needs)
 OPTIONAL_AT = {
@@ -44,6 +44,7 @@ OPTIONAL_AT = {
     "dask": {"aiordma/_dask/comm.py", "aiordma/_dask/listener.py"},
     "rich": {"aiordma/_perf.py"},
     "matplotlib": {"aiordma/_perf.py"},
+    "prometheus_client": {"aiordma/metrics.py"},
 }  # fmt: skip
 
 
@@ -83,7 +84,7 @@ def test_every_import_is_declared() -> None:
         assert req in optional, f"{module} is neither a dependency nor an extra's (imported in {sorted(places)})"
         stray = places - OPTIONAL_AT.get(module, set())
         assert not stray, f"{module} (an extra's) is imported in {sorted(stray)}"
-    for path in ("aiordma/grpc.py", "aiordma/_dask/__init__.py"):
+    for path in ("aiordma/grpc.py", "aiordma/_dask/__init__.py", "aiordma/metrics.py"):
         assert "pip install 'aiordma[" in (ROOT / path).read_text(), f"{path} must name its extra"
 
 
@@ -145,7 +146,8 @@ async def main():
             print("echo", c.transport)
         tg.cancel_scope.cancel()
 anyio.run(main, backend="asyncio")
-extras = sorted(m for m in ("trio", "uvloop", "distributed", "grpclib", "rich", "matplotlib", "hypothesis")
+extras = sorted(m for m in ("trio", "uvloop", "distributed", "grpclib", "rich", "matplotlib", "hypothesis",
+                            "prometheus_client")
                 if m in sys.modules)
 print("extras imported:", extras)
 """
