@@ -314,4 +314,5 @@ class AsyncEvent:
     element_kind: str  # "qp", "cq", "srq", "wq", "port", "device", "none"
     qp: Numbered | None = None  # the QueuePair object, if it is one of this context's
     cq: object = None  # likewise the CompletionQueue
+    srq: object = None  # likewise the shared receive queue (IBV_EVENT_SRQ_*)
     port: int | None = None

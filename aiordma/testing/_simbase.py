@@ -46,7 +46,7 @@ def _pin_readonly(obj: Any) -> tuple[_PyBuffer, int]:
 
 def _unpin(view: _PyBuffer) -> None:
     ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
-_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "registered_bytes")
+_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "srqs", "registered_bytes")
 _COUNTERS: Final = (
     "posts", "recv_posts", "polls", "polled", "req_notify", "events", "async_events",
     "completions", "errors", "rnr_errors", "bytes", "cq_overruns", "dropped",
@@ -232,11 +232,11 @@ class _SimContextBase(_SimResource):
     _events: _ReadyQueue[AsyncEvent]
     _qps: dict[int, Numbered]
 
-    def _post_event(self, etype: int, *, qp: Numbered | None = None, cq: object = None,
+    def _post_event(self, etype: int, *, qp: Numbered | None = None, cq: object = None, srq: object = None,
                     qp_event: bool = False) -> None:  # fmt: skip
         kind = "qp" if qp_event or qp is not None else _EVENT_KIND.get(etype, "qp")
         text = _EVENT_TEXT[etype] if 0 <= etype < len(_EVENT_TEXT) else "unknown"
-        self._events.push(AsyncEvent(etype, event_type_name(etype), text, kind, qp=qp, cq=cq,
+        self._events.push(AsyncEvent(etype, event_type_name(etype), text, kind, qp=qp, cq=cq, srq=srq,
                                      port=1 if kind == "port" else None))  # fmt: skip
         self._accounts.counters["async_events"] += 1
 

@@ -34,6 +34,11 @@ written against the native binding runs unchanged on them.
   events are pending, so ``loop.add_reader``, ``select`` and trio's
   ``wait_readable`` work on their ``fileno()``.
 
+* **Shared receive queues as rxe's** (:mod:`._simsrq`): QPs created with one take their receive
+  buffers from it in posting order; empty is RNR; the limit event fires once, when a receive taken
+  leaves fewer than the limit posted; a QP going to ERROR flushes none of its buffers and raises
+  "last WQE reached".
+
 * **Protection is enforced like a NIC's.**  An rkey reaches memory only through a QP of the
   region's protection domain, and a type 2 memory window's rkey only through the one QP that
   bound it, only while it is bound (``dealloc`` invalidates it) and only within its range and
@@ -42,7 +47,7 @@ written against the native binding runs unchanged on them.
   may be made without memory windows (``add_device(memory_windows=False)``, as siw).
 
 Not simulated: timing (no latency, bandwidth, timeouts or retransmission,
-hence no PSN checks and no packets), path MTU segmentation, atomics, SRQs,
+hence no PSN checks and no packets), path MTU segmentation, atomics,
 type 1 memory windows, multiple ports, UD QPs, and the cost of anything.  Everything
 is deterministic (keys and QP numbers come from a seeded PRNG) and needs no
 event loop; the objects are not thread-safe.
@@ -76,6 +81,7 @@ from ._simbase import (
 )
 from ._simcq import SimCompletionChannel, SimCompletionQueue
 from ._simmemory import SimMemoryRegion, SimMemoryWindow, _Memory
+from ._simsrq import SimSharedReceiveQueue
 from ._simwire import SimQueuePair, _Wire
 
 if TYPE_CHECKING:
@@ -338,16 +344,21 @@ class SimProtectionDomain(_SimDomainBase):
             raise RDMAError(errno.EOPNOTSUPP, "ibv_alloc_mw", "this device has no memory windows")
         return SimMemoryWindow(self, self._fabric._memory)
 
+    def create_srq(self, max_wr: int, max_sge: int = 1, srq_limit: int = 0) -> SimSharedReceiveQueue:
+        """``ibv_create_srq`` (see :mod:`._simsrq`: the rules it keeps)."""
+        return SimSharedReceiveQueue(self, max_wr=max_wr, max_sge=max_sge, srq_limit=srq_limit)
+
     def create_qp(self, send_cq: _o.CompletionQueue, recv_cq: _o.CompletionQueue | None = None, *,
                   max_send_wr: int = 64, max_recv_wr: int = 64, max_send_sge: int = 1, max_recv_sge: int = 1,
-                  max_inline_data: int = 0, sq_sig_all: bool = False) -> SimQueuePair:  # fmt: skip
+                  max_inline_data: int = 0, sq_sig_all: bool = False,
+                  srq: SimSharedReceiveQueue | None = None) -> SimQueuePair:  # fmt: skip
         if not isinstance(send_cq, SimCompletionQueue):
             raise foreign(send_cq, SimCompletionQueue, "ibv_create_qp")
         if recv_cq is not None and not isinstance(recv_cq, SimCompletionQueue):
             raise foreign(recv_cq, SimCompletionQueue, "ibv_create_qp")
         return SimQueuePair(self._fabric._wire, self, send_cq, recv_cq, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr,
                             max_send_sge=max_send_sge, max_recv_sge=max_recv_sge,
-                            max_inline_data=max_inline_data, sq_sig_all=sq_sig_all)  # fmt: skip
+                            max_inline_data=max_inline_data, sq_sig_all=sq_sig_all, srq=srq)  # fmt: skip
 
     def close(self) -> None:
         if self._closed:

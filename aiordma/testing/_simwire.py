@@ -42,6 +42,7 @@ from ._simbase import (
 )
 from ._simcq import SimCompletionQueue
 from ._simmemory import SimMemoryRegion, SimMemoryWindow, _Memory
+from ._simsrq import QP_LAST_WQE_REACHED, SimSharedReceiveQueue
 
 if TYPE_CHECKING:
     from .._rdma import objects as _o
@@ -195,18 +196,25 @@ class SimQueuePair(_SimResource):
 
     def __init__(self, wire: _Wire, pd: _SimDomainBase, send_cq: SimCompletionQueue,
                  recv_cq: SimCompletionQueue | None, *, max_send_wr: int = 64, max_recv_wr: int = 64, max_send_sge: int = 1, max_recv_sge: int = 1,
-                 max_inline_data: int = 0, sq_sig_all: bool = False) -> None:  # fmt: skip
+                 max_inline_data: int = 0, sq_sig_all: bool = False,
+                 srq: SimSharedReceiveQueue | None = None) -> None:  # fmt: skip
         recv_cq = recv_cq or send_cq
-        for obj in (pd, send_cq, recv_cq):
+        for obj in (pd, send_cq, recv_cq, *((srq,) if srq is not None else ())):
             obj._ensure_open("ibv_create_qp")
         dev = pd.context._device
         asked = f"RC max_send_wr={max_send_wr} max_recv_wr={max_recv_wr} max_inline_data={max_inline_data}"
         if (send_cq.context is not pd.context or recv_cq.context is not pd.context
                 or not (0 <= max_send_wr <= dev.max_qp_wr and 0 <= max_recv_wr <= dev.max_qp_wr)
                 or not (0 <= max_send_sge <= _MAX_SGE and 0 <= max_recv_sge <= _MAX_SGE)
-                or not 0 <= max_inline_data <= dev.max_inline_data):  # fmt: skip
+                or not 0 <= max_inline_data <= dev.max_inline_data
+                or (srq is not None and srq.context is not pd.context)):  # fmt: skip
             raise RDMAError(errno.EINVAL, "ibv_create_qp", asked)
-        super().__init__(pd._accounts, (pd, send_cq) if recv_cq is send_cq else (pd, send_cq, recv_cq))
+        parents: tuple[_SimResource, ...] = (pd, send_cq) if recv_cq is send_cq else (pd, send_cq, recv_cq)
+        super().__init__(pd._accounts, parents + ((srq,) if srq is not None else ()))
+        #: the shared receive queue its SENDs land in (None: its own receive queue)
+        self.srq = srq
+        if srq is not None:
+            max_recv_wr = 0  # (ignored with an SRQ, as by ibv_create_qp)
         self._wire = wire
         self.pd, self.context, self.send_cq, self.recv_cq = pd, pd.context, send_cq, recv_cq
         self.caps = QPCaps(min(_pow2(max_send_wr), dev.max_qp_wr), min(_pow2(max_recv_wr), dev.max_qp_wr),
@@ -313,6 +321,8 @@ class SimQueuePair(_SimResource):
         recvs, self._recvs = self._recvs, deque()
         for wr_id, _addr, _len, _lkey in recvs:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
+        if self.srq is not None:  # (the SRQ's buffers stay posted for its other QPs)
+            self.context._post_event(QP_LAST_WQE_REACHED, qp=self)
 
     # posting --------------------------------------------------------------
     def post_recv(self, addr: int, length: int, lkey: int, wr_id: int) -> None:
@@ -441,8 +451,8 @@ class SimQueuePair(_SimResource):
 
     def _post_recv(self, wr_id: int, addr: int, length: int, lkey: int) -> int:
         """Post one receive WR; returns 0 or the errno refusing it."""
-        if self._state == QPState.RESET or length < 0:
-            return errno.EINVAL
+        if self._state == QPState.RESET or length < 0 or self.srq is not None:
+            return errno.EINVAL  # (a QP with an SRQ has no receive queue of its own)
         if self._state == QPState.ERR:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
         elif len(self._recvs) >= self.caps.max_recv_wr:
@@ -535,11 +545,19 @@ class SimQueuePair(_SimResource):
 
     # the wire: responder side (each returns the requester's status) --------
     def _take_recv(self) -> tuple[int, int, int, int] | None:
-        if not self._recvs or self.qp_num in self._wire.not_ready_qps:
+        srq = self.srq
+        if (not srq.posted if srq is not None else not self._recvs) or self.qp_num in self._wire.not_ready_qps:
             self._wire.not_ready_qps.discard(self.qp_num)
             self._accounts.counters["rnr_errors"] += 1
             return None
+        if srq is not None:
+            return srq._take()
         return self._recvs.popleft()
+
+    @property
+    def _recv_pd(self) -> _SimDomainBase:
+        """Where the receive buffers' keys are checked: the SRQ's domain, else the QP's."""
+        return self.srq.pd if self.srq is not None else self.pd
 
     def _accept_send(self, src: SimQueuePair, w: _Work) -> int:
         recv = self._take_recv()
@@ -551,7 +569,7 @@ class SimQueuePair(_SimResource):
             return self._responder_error(wr_id, forced, WCStatus.REM_OP_ERR)
         if w.length > room:
             return self._responder_error(wr_id, WCStatus.LOC_LEN_ERR, WCStatus.REM_INV_REQ_ERR)
-        if w.length and not self._wire.memory.local_ok(self.pd, lkey, addr, w.length, write=True):
+        if w.length and not self._wire.memory.local_ok(self._recv_pd, lkey, addr, w.length, write=True):
             return self._responder_error(wr_id, WCStatus.LOC_PROT_ERR, WCStatus.REM_OP_ERR)
         w.copy_to(addr)
         imm = w.imm if w.op == Opcode.SEND_WITH_IMM else -1
