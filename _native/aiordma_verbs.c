@@ -130,7 +130,7 @@ int aiordma_channel_fd(struct ibv_comp_channel *channel)
 /* ---- queue pairs ------------------------------------------------------ */
 
 struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
-                                    struct ibv_cq *recv_cq,
+                                    struct ibv_cq *recv_cq, struct ibv_srq *srq,
                                     struct aiordma_qp_caps *caps, int sq_sig_all)
 {
     struct ibv_qp_init_attr ia;
@@ -139,6 +139,7 @@ struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
     memset(&ia, 0, sizeof(ia));
     ia.send_cq = send_cq;
     ia.recv_cq = recv_cq;
+    ia.srq = srq;               /* NULL: the QP has a receive queue of its own */
     ia.qp_type = IBV_QPT_RC;
     ia.sq_sig_all = sq_sig_all;
     ia.cap.max_send_wr = caps->max_send_wr;
@@ -156,6 +157,79 @@ struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
         caps->max_inline_data = ia.cap.max_inline_data;
     }
     return qp;
+}
+
+/* A shared receive queue; *max_wr and *max_sge are what was asked and, on
+ * success, what the device granted.  NULL + errno on failure. */
+struct ibv_srq *aiordma_create_srq(struct ibv_pd *pd, uint32_t *max_wr,
+                                   uint32_t *max_sge, uint32_t srq_limit)
+{
+    struct ibv_srq_init_attr ia;
+    struct ibv_srq *srq;
+
+    memset(&ia, 0, sizeof(ia));
+    ia.attr.max_wr = *max_wr;
+    ia.attr.max_sge = *max_sge;
+    ia.attr.srq_limit = srq_limit;
+    srq = ibv_create_srq(pd, &ia);
+    if (srq) {
+        *max_wr = ia.attr.max_wr;
+        *max_sge = ia.attr.max_sge;
+    }
+    return srq;
+}
+
+/* ibv_modify_srq(IBV_SRQ_LIMIT): 0 or the errno. */
+int aiordma_arm_srq(struct ibv_srq *srq, uint32_t limit)
+{
+    struct ibv_srq_attr a;
+    memset(&a, 0, sizeof(a));
+    a.srq_limit = limit;
+    return ibv_modify_srq(srq, &a, IBV_SRQ_LIMIT);
+}
+
+/* ibv_query_srq: the armed limit in *limit; 0 or the errno. */
+int aiordma_query_srq_limit(struct ibv_srq *srq, uint32_t *limit)
+{
+    struct ibv_srq_attr a;
+    int rc;
+    memset(&a, 0, sizeof(a));
+    rc = ibv_query_srq(srq, &a);
+    if (!rc)
+        *limit = a.srq_limit;
+    return rc;
+}
+
+/* Post n receive buffers to an SRQ, as aiordma_post_recv_batch does to a QP. */
+int aiordma_post_srq_recv_batch(struct ibv_srq *srq, int n, const uint64_t *addrs,
+                                const uint32_t *lens, uint32_t lkey,
+                                const uint64_t *wr_ids, int *posted)
+{
+    struct ibv_recv_wr wr[AIORDMA_CHUNK], *bad = NULL;
+    struct ibv_sge sge[AIORDMA_CHUNK];
+    int done = 0;
+
+    while (done < n) {
+        int m = n - done < AIORDMA_CHUNK ? n - done : AIORDMA_CHUNK;
+        int rc;
+        for (int i = 0; i < m; i++) {
+            sge[i].addr = addrs[done + i];
+            sge[i].length = lens[done + i];
+            sge[i].lkey = lkey;
+            wr[i].wr_id = wr_ids[done + i];
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = 1;
+            wr[i].next = i + 1 < m ? &wr[i + 1] : NULL;
+        }
+        rc = ibv_post_srq_recv(srq, wr, &bad);
+        if (rc) {
+            *posted = done + (bad ? (int)(bad - wr) : 0);
+            return -rc;
+        }
+        done += m;
+    }
+    *posted = done;
+    return 0;
 }
 
 uint32_t aiordma_qp_num(struct ibv_qp *qp)

@@ -171,8 +171,15 @@ int aiordma_context_fds(struct ibv_context *ctx, int *async_fd, int *num_comp_ve
 int aiordma_channel_fd(struct ibv_comp_channel *channel);
 
 struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
-                                    struct ibv_cq *recv_cq,
+                                    struct ibv_cq *recv_cq, struct ibv_srq *srq,
                                     struct aiordma_qp_caps *caps, int sq_sig_all);
+struct ibv_srq *aiordma_create_srq(struct ibv_pd *pd, uint32_t *max_wr,
+                                   uint32_t *max_sge, uint32_t srq_limit);
+int aiordma_arm_srq(struct ibv_srq *srq, uint32_t limit);
+int aiordma_query_srq_limit(struct ibv_srq *srq, uint32_t *limit);
+int aiordma_post_srq_recv_batch(struct ibv_srq *srq, int n, const uint64_t *addrs,
+                                const uint32_t *lens, uint32_t lkey,
+                                const uint64_t *wr_ids, int *posted);
 uint32_t aiordma_qp_num(struct ibv_qp *qp);
 int aiordma_qp_to_init(struct ibv_qp *qp, uint32_t port_num, uint32_t pkey_index,
                        uint32_t access_flags);

@@ -45,6 +45,7 @@ struct ibv_context;
 struct ibv_pd;
 struct ibv_cq { int cqe; ...; };
 struct ibv_qp;
+struct ibv_srq;
 struct ibv_comp_channel;
 struct ibv_mr { void *addr; size_t length; uint32_t handle; uint32_t lkey; uint32_t rkey; ...; };
 
@@ -102,6 +103,7 @@ struct ibv_cq *ibv_create_cq(struct ibv_context *context, int cqe, void *cq_cont
                              struct ibv_comp_channel *channel, int comp_vector);
 int ibv_destroy_cq(struct ibv_cq *cq);
 int ibv_destroy_qp(struct ibv_qp *qp);
+int ibv_destroy_srq(struct ibv_srq *srq);
 const char *ibv_wc_status_str(int status);
 const char *ibv_event_type_str(int event);
 const char *ibv_port_state_str(int port_state);
@@ -170,8 +172,15 @@ int aiordma_query_gid_table(struct ibv_context *ctx, struct aiordma_gid_entry *o
 int aiordma_context_fds(struct ibv_context *ctx, int *async_fd, int *num_comp_vectors);
 int aiordma_channel_fd(struct ibv_comp_channel *channel);
 struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
-                                    struct ibv_cq *recv_cq,
+                                    struct ibv_cq *recv_cq, struct ibv_srq *srq,
                                     struct aiordma_qp_caps *caps, int sq_sig_all);
+struct ibv_srq *aiordma_create_srq(struct ibv_pd *pd, uint32_t *max_wr,
+                                   uint32_t *max_sge, uint32_t srq_limit);
+int aiordma_arm_srq(struct ibv_srq *srq, uint32_t limit);
+int aiordma_query_srq_limit(struct ibv_srq *srq, uint32_t *limit);
+int aiordma_post_srq_recv_batch(struct ibv_srq *srq, int n, const uint64_t *addrs,
+                                const uint32_t *lens, uint32_t lkey,
+                                const uint64_t *wr_ids, int *posted);
 uint32_t aiordma_qp_num(struct ibv_qp *qp);
 int aiordma_qp_to_init(struct ibv_qp *qp, uint32_t port_num, uint32_t pkey_index,
                        uint32_t access_flags);
@@ -311,7 +320,8 @@ SYMBOL_VERSIONS: dict[str, tuple[str, ...]] = {
     "IBVERBS_1.0": ("ibv_create_comp_channel", "ibv_destroy_comp_channel"),
     "IBVERBS_1.1": (
         "ibv_ack_async_event", "ibv_ack_cq_events", "ibv_alloc_pd", "ibv_close_device", "ibv_create_cq",
-        "ibv_create_qp", "ibv_dealloc_pd", "ibv_dereg_mr", "ibv_destroy_cq", "ibv_destroy_qp",
+        "ibv_create_qp", "ibv_create_srq", "ibv_dealloc_pd", "ibv_dereg_mr", "ibv_destroy_cq", "ibv_destroy_qp",
+        "ibv_destroy_srq", "ibv_modify_srq", "ibv_query_srq",
         "ibv_event_type_str", "ibv_free_device_list", "ibv_get_async_event", "ibv_get_cq_event",
         "ibv_get_device_list", "ibv_get_device_name", "ibv_modify_qp", "ibv_node_type_str", "ibv_open_device",
         "ibv_port_state_str", "ibv_query_device", "ibv_query_gid", "ibv_query_port", "ibv_query_qp",

@@ -104,7 +104,7 @@ def _require_native(what: str) -> None:
 # Live-object accounting
 # --------------------------------------------------------------------------
 
-_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "registered_bytes")
+_LIVE_KEYS: Final = ("contexts", "pds", "mrs", "mws", "cqs", "channels", "qps", "srqs", "registered_bytes")
 _live: dict[str, int] = dict.fromkeys(_LIVE_KEYS, 0)
 _live_lock = threading.Lock()
 
@@ -179,6 +179,7 @@ class NativeContext(_Resource):
     _h: Any
     _qps: dict[int, Numbered]
     _cqs: dict[int, object]
+    _srqs: dict[int, object]
 
 
 class NativeDomain(_Resource):

@@ -25,6 +25,7 @@ from .lifetime import foreign
 from ._native import NativeDomain, _Resource, _addr, _check, _count, _fail, _ffi, _lib, _mtu_enum, _require_native
 from ._verbs_cq import CompletionQueue
 from ._verbs_memory import MemoryRegion, MemoryWindow, next_rkey
+from ._verbs_srq import SharedReceiveQueue
 
 if TYPE_CHECKING:
     from . import objects as _o
@@ -76,10 +77,13 @@ class QueuePair(_Resource):
         max_recv_sge: int = 1,
         max_inline_data: int = 0,
         sq_sig_all: bool = False,
+        srq: SharedReceiveQueue | None = None,
     ) -> None:
         _require_native("a QueuePair")
         recv_cq = recv_cq or send_cq
-        for obj in (pd, send_cq, recv_cq):
+        if srq is not None and not isinstance(srq, SharedReceiveQueue):
+            raise foreign(srq, SharedReceiveQueue, "ibv_create_qp")
+        for obj in (pd, send_cq, recv_cq, *((srq,) if srq is not None else ())):
             obj._ensure_open("ibv_create_qp")
         caps = _ffi.new("struct aiordma_qp_caps *")
         caps.max_send_wr = max_send_wr
@@ -87,7 +91,8 @@ class QueuePair(_Resource):
         caps.max_send_sge = max_send_sge
         caps.max_recv_sge = max_recv_sge
         caps.max_inline_data = max_inline_data
-        h = _lib.aiordma_create_rc_qp(pd._h, send_cq._h, recv_cq._h, caps, 1 if sq_sig_all else 0)
+        h = _lib.aiordma_create_rc_qp(pd._h, send_cq._h, recv_cq._h, srq._h if srq is not None else _ffi.NULL, caps,
+                                      1 if sq_sig_all else 0)  # fmt: skip
         if h == _ffi.NULL:
             raise _fail(
                 int(_ffi.errno),
@@ -95,7 +100,9 @@ class QueuePair(_Resource):
                 f"RC max_send_wr={max_send_wr} max_recv_wr={max_recv_wr} max_inline_data={max_inline_data}",
             )
         parents: tuple[_Resource, ...] = (pd, send_cq) if recv_cq is send_cq else (pd, send_cq, recv_cq)
-        super().__init__(parents)
+        super().__init__(parents + ((srq,) if srq is not None else ()))
+        #: the shared receive queue its SENDs land in (None: its own receive queue)
+        self.srq = srq
         self.pd = pd
         self.context = pd.context
         self.send_cq = send_cq

@@ -94,6 +94,7 @@ from ._native import (
 from ._verbs_cq import CompletionChannel, CompletionQueue, WCArray, WorkCompletion
 from ._verbs_memory import MemoryRegion, MemoryWindow, next_rkey
 from ._verbs_qp import QueuePair, RCEndpoint
+from ._verbs_srq import SharedReceiveQueue
 
 if TYPE_CHECKING:
     from . import objects as _o
@@ -116,6 +117,7 @@ __all__ = [
     "QueuePair",
     "RCEndpoint",
     "SendWR",
+    "SharedReceiveQueue",
     "WCArray",
     "WCOpcode",
     "WCStatus",
@@ -181,6 +183,7 @@ class Context(NativeContext):
             raise _fail(-rc, "fcntl(async_fd, O_NONBLOCK)")
         self._qps = {}
         self._cqs = {}
+        self._srqs = {}
         _count(self._kind, 1)
 
     def __repr__(self) -> str:
@@ -263,6 +266,7 @@ class Context(NativeContext):
             kind,
             qp=self._qps.get(elem) if kind == "qp" else None,
             cq=self._cqs.get(elem) if kind == "cq" else None,
+            srq=self._srqs.get(elem) if kind == "srq" else None,
             port=int(ev.port_num) if kind == "port" else None,
         )
 
@@ -321,6 +325,10 @@ class ProtectionDomain(NativeDomain):
     def reg_buffer(self, buffer: Any, access: int = DEFAULT_MR_ACCESS) -> MemoryRegion:
         """Register an existing writable buffer (kept exported until ``close()``)."""
         return MemoryRegion(self, buffer, access)
+
+    def create_srq(self, max_wr: int, max_sge: int = 1, srq_limit: int = 0) -> SharedReceiveQueue:
+        """``ibv_create_srq`` (see :mod:`aiordma._rdma._verbs_srq`)."""
+        return SharedReceiveQueue(self, max_wr=max_wr, max_sge=max_sge, srq_limit=srq_limit)
 
     def create_qp(self, send_cq: _o.CompletionQueue, recv_cq: _o.CompletionQueue | None = None, **kw: Any) -> QueuePair:
         if not isinstance(send_cq, CompletionQueue):

@@ -13,8 +13,9 @@ posting, whichever QP the SEND arrives on.  What a NIC enforces, and the simulat
   ``get_srq_wqe``.  Arming does not look at the count (rxe accepts a limit above it, and fires
   only at the next receive taken).  ``limit`` reads it back (``ibv_query_srq``).
 * **QPs do not own its buffers.**  ``post_recv`` on a QP created with an SRQ is ``EINVAL``; a QP
-  that goes to ERROR flushes none of the SRQ's buffers (they stay posted for the other QPs) and
-  raises ``IBV_EVENT_QP_LAST_WQE_REACHED`` for that QP instead.
+  that goes to ERROR flushes none of the SRQ's buffers (they stay posted for the other QPs).  It
+  raises no ``IBV_EVENT_QP_LAST_WQE_REACHED`` either: rxe on Linux 6.1 does not (other devices
+  do), so the transport may never wait for one.
 * **Sizes as rxe's.**  ``max_wr`` is rounded up to a power of two minus one (16 -> 31), posting
   beyond it is ``ENOMEM``; the receive buffers' keys are checked against the SRQ's protection
   domain when a SEND lands in them.
@@ -34,9 +35,8 @@ from ._simbase import _MAX_SGE, _SimDomainBase, _SimResource, _pow2
 
 __all__ = ["SimSharedReceiveQueue"]
 
-#: ``ibv_event_type`` of the two events an SRQ brings about
+#: ``ibv_event_type`` of the SRQ's limit event
 SRQ_LIMIT_REACHED: Final = 15
-QP_LAST_WQE_REACHED: Final = 16
 
 
 class SimSharedReceiveQueue(_SimResource):

@@ -36,8 +36,8 @@ written against the native binding runs unchanged on them.
 
 * **Shared receive queues as rxe's** (:mod:`._simsrq`): QPs created with one take their receive
   buffers from it in posting order; empty is RNR; the limit event fires once, when a receive taken
-  leaves fewer than the limit posted; a QP going to ERROR flushes none of its buffers and raises
-  "last WQE reached".
+  leaves fewer than the limit posted; a QP going to ERROR flushes none of its buffers (and, as
+  rxe, raises no "last WQE reached").
 
 * **Protection is enforced like a NIC's.**  An rkey reaches memory only through a QP of the
   region's protection domain, and a type 2 memory window's rkey only through the one QP that

@@ -42,7 +42,7 @@ from ._simbase import (
 )
 from ._simcq import SimCompletionQueue
 from ._simmemory import SimMemoryRegion, SimMemoryWindow, _Memory
-from ._simsrq import QP_LAST_WQE_REACHED, SimSharedReceiveQueue
+from ._simsrq import SimSharedReceiveQueue
 
 if TYPE_CHECKING:
     from .._rdma import objects as _o
@@ -321,8 +321,8 @@ class SimQueuePair(_SimResource):
         recvs, self._recvs = self._recvs, deque()
         for wr_id, _addr, _len, _lkey in recvs:
             self._recv_done(wr_id, WCStatus.WR_FLUSH_ERR)
-        if self.srq is not None:  # (the SRQ's buffers stay posted for its other QPs)
-            self.context._post_event(QP_LAST_WQE_REACHED, qp=self)
+        # (a QP with an SRQ flushes nothing: the SRQ's buffers stay posted for its other QPs.  No
+        # "last WQE reached" event either: rxe (Linux 6.1) raises none, so nothing may wait for it)
 
     # posting --------------------------------------------------------------
     def post_recv(self, addr: int, length: int, lkey: int, wr_id: int) -> None:
