@@ -129,6 +129,39 @@ int aiordma_channel_fd(struct ibv_comp_channel *channel)
 
 /* ---- queue pairs ------------------------------------------------------ */
 
+/* Post n receive buffers (one sge each, same lkey) to qp's receive queue, or to srq when qp is
+ * NULL, as chained WRs of AIORDMA_CHUNK.  0, or -errno with *posted = how many went. */
+static int post_recv_chains(struct ibv_qp *qp, struct ibv_srq *srq, int n, const uint64_t *addrs,
+                            const uint32_t *lens, uint32_t lkey,
+                            const uint64_t *wr_ids, int *posted)
+{
+    struct ibv_recv_wr wr[AIORDMA_CHUNK], *bad = NULL;
+    struct ibv_sge sge[AIORDMA_CHUNK];
+    int done = 0;
+
+    while (done < n) {
+        int m = n - done < AIORDMA_CHUNK ? n - done : AIORDMA_CHUNK;
+        int rc;
+        for (int i = 0; i < m; i++) {
+            sge[i].addr = addrs[done + i];
+            sge[i].length = lens[done + i];
+            sge[i].lkey = lkey;
+            wr[i].wr_id = wr_ids[done + i];
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = 1;
+            wr[i].next = i + 1 < m ? &wr[i + 1] : NULL;
+        }
+        rc = qp ? ibv_post_recv(qp, wr, &bad) : ibv_post_srq_recv(srq, wr, &bad);
+        if (rc) {
+            *posted = done + (bad ? (int)(bad - wr) : 0);
+            return -rc;
+        }
+        done += m;
+    }
+    *posted = done;
+    return 0;
+}
+
 struct ibv_qp *aiordma_create_rc_qp(struct ibv_pd *pd, struct ibv_cq *send_cq,
                                     struct ibv_cq *recv_cq, struct ibv_srq *srq,
                                     struct aiordma_qp_caps *caps, int sq_sig_all)
@@ -200,36 +233,13 @@ int aiordma_query_srq_limit(struct ibv_srq *srq, uint32_t *limit)
     return rc;
 }
 
-/* Post n receive buffers to an SRQ, as aiordma_post_recv_batch does to a QP. */
+/* Post n receive buffers to an SRQ, as aiordma_post_recv_batch does to a QP
+ * (the same chains: post_recv_chains). */
 int aiordma_post_srq_recv_batch(struct ibv_srq *srq, int n, const uint64_t *addrs,
                                 const uint32_t *lens, uint32_t lkey,
                                 const uint64_t *wr_ids, int *posted)
 {
-    struct ibv_recv_wr wr[AIORDMA_CHUNK], *bad = NULL;
-    struct ibv_sge sge[AIORDMA_CHUNK];
-    int done = 0;
-
-    while (done < n) {
-        int m = n - done < AIORDMA_CHUNK ? n - done : AIORDMA_CHUNK;
-        int rc;
-        for (int i = 0; i < m; i++) {
-            sge[i].addr = addrs[done + i];
-            sge[i].length = lens[done + i];
-            sge[i].lkey = lkey;
-            wr[i].wr_id = wr_ids[done + i];
-            wr[i].sg_list = &sge[i];
-            wr[i].num_sge = 1;
-            wr[i].next = i + 1 < m ? &wr[i + 1] : NULL;
-        }
-        rc = ibv_post_srq_recv(srq, wr, &bad);
-        if (rc) {
-            *posted = done + (bad ? (int)(bad - wr) : 0);
-            return -rc;
-        }
-        done += m;
-    }
-    *posted = done;
-    return 0;
+    return post_recv_chains(NULL, srq, n, addrs, lens, lkey, wr_ids, posted);
 }
 
 uint32_t aiordma_qp_num(struct ibv_qp *qp)
@@ -409,31 +419,7 @@ int aiordma_post_recv_batch(struct ibv_qp *qp, int n, const uint64_t *addrs,
                             const uint32_t *lens, uint32_t lkey,
                             const uint64_t *wr_ids, int *posted)
 {
-    struct ibv_recv_wr wr[AIORDMA_CHUNK], *bad = NULL;
-    struct ibv_sge sge[AIORDMA_CHUNK];
-    int done = 0;
-
-    while (done < n) {
-        int m = n - done < AIORDMA_CHUNK ? n - done : AIORDMA_CHUNK;
-        int rc;
-        for (int i = 0; i < m; i++) {
-            sge[i].addr = addrs[done + i];
-            sge[i].length = lens[done + i];
-            sge[i].lkey = lkey;
-            wr[i].wr_id = wr_ids[done + i];
-            wr[i].sg_list = &sge[i];
-            wr[i].num_sge = 1;
-            wr[i].next = i + 1 < m ? &wr[i + 1] : NULL;
-        }
-        rc = ibv_post_recv(qp, wr, &bad);
-        if (rc) {
-            *posted = done + (bad ? (int)(bad - wr) : 0);
-            return -rc;
-        }
-        done += m;
-    }
-    *posted = done;
-    return 0;
+    return post_recv_chains(qp, NULL, n, addrs, lens, lkey, wr_ids, posted);
 }
 
 /* Post n send WRs (SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM,

@@ -61,7 +61,7 @@ def render(snap: dict[str, Any], before: dict[str, Any] | None = None, dt: float
     totals = snap.get("totals", {})
     prev_totals = before.get("totals") if before else None
     open_ = snap.get("open", {})
-    mem = snap.get("memory", {})
+    mem = snap.get("memory") or {}
     lines = [
         f"aiordma top -- pid {snap.get('pid', '?')}   open: "
         + (", ".join(f"{n} {t}" for t, n in sorted(open_.items())) or "none")

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
+from anyio import BrokenResourceError
 from anyio.abc import SocketAttribute
 
 from .._attributes import ConnectionStats, TransportAttribute
@@ -110,19 +111,9 @@ class Stats:
     #: own RNR and retry counters from sysfs (for the whole device: every process on it)
     devices: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able): what the stats endpoint sends."""
-        out: dict[str, object] = {
-            "open": dict(self.open),
-            "opened": dict(self.opened),
-            "fallbacks": dict(self.fallbacks),
-            "failures": dict(self.failures),
-            "totals": dict(self.totals),
-            "memory": {f.name: getattr(self.memory, f.name) for f in fields(MemoryStats)} if self.memory else {},
-            "connections": [{f.name: getattr(c, f.name) for f in fields(ConnectionStats)} for c in self.connections],
-            "devices": {name: dict(counts) for name, counts in self.devices.items()},
-        }
-        return out
+        return asdict(self)
 
 
 class _Registry:
@@ -168,7 +159,7 @@ def _count(table: dict[str, int], key: str) -> None:
 
 def cause(err: BaseException) -> str:
     """How :attr:`Stats.failures` names an error: its class, and a work completion's status."""
-    while not isinstance(err, RDMAError) and err.__cause__ is not None and type(err).__name__ == "BrokenResourceError":
+    while isinstance(err, BrokenResourceError) and err.__cause__ is not None:
         err = err.__cause__  # (anyio's wrapper: what broke it)
     if isinstance(err, RDMAError) and err.wc_status:
         return f"RDMAError: {err.wc_status}"

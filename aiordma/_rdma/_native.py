@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-from .._errors import RDMAError, RDMAUnavailableError
+from .._errors import PostError, RDMAError, RDMAUnavailableError
 from .constants import MTU_TO_ENUM, Numbered
 from .lifetime import Resource
 
@@ -141,6 +141,42 @@ def _addr(ptr: Any) -> int:
 
 def _fail(err: int, call: str, detail: str = "") -> RDMAError:
     return RDMAError(err or _errno.EIO, call, detail)
+
+
+class RecvBatch:
+    """The C arrays a batch of receive buffers crosses the boundary in (kept, grown on demand):
+    one per QP and per SRQ, both posting through :meth:`post`."""
+
+    def __init__(self, n: int) -> None:
+        self._n = 0
+        self._grow(max(1, n))
+        self._posted: Any = _ffi.new("int *")
+
+    def _grow(self, n: int) -> None:
+        self._n = n
+        self._addrs: Any = _ffi.new("uint64_t[]", n)
+        self._lens: Any = _ffi.new("uint32_t[]", n)
+        self._ids: Any = _ffi.new("uint64_t[]", n)
+
+    def post(self, fn: Any, h: Any, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int],
+             call: str) -> None:  # fmt: skip
+        """``fn(h, n, addrs, lens, lkey, wr_ids, posted)`` (a C batch poster) on these buffers;
+        :class:`PostError` (with ``posted``) if the device refused some."""
+        n = len(addrs)
+        if not (len(lens) == len(wr_ids) == n):
+            raise ValueError("addrs, lens and wr_ids must have the same length")
+        if n == 0:
+            return
+        if n > self._n:
+            self._grow(n)
+        ra, rl, ri = self._addrs, self._lens, self._ids
+        for i in range(n):
+            ra[i] = addrs[i]
+            rl[i] = lens[i]
+            ri[i] = wr_ids[i]
+        rc = int(fn(h, n, ra, rl, lkey, ri, self._posted))
+        if rc < 0:
+            raise PostError(-rc, call, int(self._posted[0]), n)
 
 
 def _check(rc: int, call: str, detail: str = "") -> int:

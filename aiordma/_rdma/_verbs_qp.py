@@ -22,7 +22,19 @@ from .constants import (
     gid_bytes as _gid_bytes,
 )
 from .lifetime import foreign
-from ._native import NativeDomain, _Resource, _addr, _check, _count, _fail, _ffi, _lib, _mtu_enum, _require_native
+from ._native import (
+    NativeDomain,
+    RecvBatch,
+    _Resource,
+    _addr,
+    _check,
+    _count,
+    _fail,
+    _ffi,
+    _lib,
+    _mtu_enum,
+    _require_native,
+)
 from ._verbs_cq import CompletionQueue
 from ._verbs_memory import MemoryRegion, MemoryWindow, next_rkey
 from ._verbs_srq import SharedReceiveQueue
@@ -117,10 +129,7 @@ class QueuePair(_Resource):
         self.port_num = 1
         self.context._qps[self._key] = self
         self._send_arr: Any = _ffi.new("struct aiordma_send_wr[]", max(1, self.caps.max_send_wr))
-        self._recv_n = max(1, self.caps.max_recv_wr)
-        self._recv_addrs: Any = _ffi.new("uint64_t[]", self._recv_n)
-        self._recv_lens: Any = _ffi.new("uint32_t[]", self._recv_n)
-        self._recv_ids: Any = _ffi.new("uint64_t[]", self._recv_n)
+        self._recv = RecvBatch(self.caps.max_recv_wr)
         self._posted: Any = _ffi.new("int *")
         _count(self._kind, 1)
 
@@ -239,24 +248,7 @@ class QueuePair(_Resource):
         Raises :class:`PostError` (with ``posted``) if the device refused some.
         """
         self._ensure_open("ibv_post_recv")
-        n = len(addrs)
-        if not (len(lens) == len(wr_ids) == n):
-            raise ValueError("addrs, lens and wr_ids must have the same length")
-        if n == 0:
-            return
-        if n > self._recv_n:
-            self._recv_n = n
-            self._recv_addrs = _ffi.new("uint64_t[]", n)
-            self._recv_lens = _ffi.new("uint32_t[]", n)
-            self._recv_ids = _ffi.new("uint64_t[]", n)
-        ra, rl, ri = self._recv_addrs, self._recv_lens, self._recv_ids
-        for i in range(n):
-            ra[i] = addrs[i]
-            rl[i] = lens[i]
-            ri[i] = wr_ids[i]
-        rc = int(_lib.aiordma_post_recv_batch(self._h, n, ra, rl, lkey, ri, self._posted))
-        if rc < 0:
-            raise PostError(-rc, "ibv_post_recv", int(self._posted[0]), n)
+        self._recv.post(_lib.aiordma_post_recv_batch, self._h, addrs, lens, lkey, wr_ids, "ibv_post_recv")
 
     def post_recv_one(self, addr: int, length: int, lkey: int, wr_id: int) -> None:
         """Post one receive buffer (the data path's re-post; one C call, no arrays).

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import PostError
-from ._native import NativeDomain, _Resource, _addr, _count, _fail, _ffi, _lib, _require_native
+from ._native import NativeDomain, RecvBatch, _Resource, _addr, _count, _fail, _ffi, _lib, _require_native
 
 __all__ = ["SharedReceiveQueue"]
 
@@ -44,11 +43,7 @@ class SharedReceiveQueue(_Resource):
         self.max_wr = int(wr[0])
         self.max_sge = int(sge[0])
         self.context._srqs[self._key] = self
-        self._n = 0
-        self._addrs: Any = None
-        self._lens: Any = None
-        self._ids: Any = None
-        self._posted: Any = _ffi.new("int *")
+        self._recv = RecvBatch(self.max_wr)
         self._limit: Any = _ffi.new("uint32_t *")
         _count(self._kind, 1)
 
@@ -81,24 +76,7 @@ class SharedReceiveQueue(_Resource):
     def post_recv_batch(self, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int]) -> None:
         """Post receive buffers (one sge each, same ``lkey``); :class:`PostError` says how many went."""
         self._ensure_open("ibv_post_srq_recv")
-        n = len(addrs)
-        if not (len(lens) == len(wr_ids) == n):
-            raise ValueError("addrs, lens and wr_ids must have the same length")
-        if n == 0:
-            return
-        if n > self._n:
-            self._n = n
-            self._addrs = _ffi.new("uint64_t[]", n)
-            self._lens = _ffi.new("uint32_t[]", n)
-            self._ids = _ffi.new("uint64_t[]", n)
-        ra, rl, ri = self._addrs, self._lens, self._ids
-        for i in range(n):
-            ra[i] = addrs[i]
-            rl[i] = lens[i]
-            ri[i] = wr_ids[i]
-        rc = int(_lib.aiordma_post_srq_recv_batch(self._h, n, ra, rl, lkey, ri, self._posted))
-        if rc < 0:
-            raise PostError(-rc, "ibv_post_srq_recv", int(self._posted[0]), n)
+        self._recv.post(_lib.aiordma_post_srq_recv_batch, self._h, addrs, lens, lkey, wr_ids, "ibv_post_srq_recv")
 
     def close(self) -> None:
         """``ibv_destroy_srq``, after every QP created with it (``EBUSY`` before)."""
