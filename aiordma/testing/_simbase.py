@@ -13,10 +13,11 @@ import ipaddress
 import os
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Protocol, TypeVar
 
+from .._errors import PostError
 from .._rdma.completions import CompletionArray, WorkCompletion
 from .._rdma.constants import WC_WITH_IMM, AsyncEvent, Numbered, Opcode, WCOpcode, WCStatus, event_type_name
 from .._rdma.lifetime import Resource
@@ -80,6 +81,19 @@ _OK: Final = int(WCStatus.SUCCESS)
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _post_recvs(post: Callable[[int, int, int, int], int], addrs: Sequence[int], lens: Sequence[int], lkey: int,
+                wr_ids: Sequence[int], call: str) -> None:  # fmt: skip
+    """Post receive buffers one by one through ``post(wr_id, addr, length, lkey)`` (0 or an errno),
+    as a chained ``ibv_post_recv``/``ibv_post_srq_recv``: :class:`PostError` says how many went."""
+    n = len(addrs)
+    if not (len(lens) == len(wr_ids) == n):
+        raise ValueError("addrs, lens and wr_ids must have the same length")
+    for i in range(n):
+        err = post(wr_ids[i], addrs[i], lens[i], lkey)
+        if err:
+            raise PostError(err, call, i, n)
 
 class _Retiring(Protocol):
     """A QP as a polled send completion sees it: polling frees its send-queue slots."""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from .._errors import PostError, RDMAError
-from ._simbase import _MAX_SGE, _SimDomainBase, _SimResource, _pow2
+from ._simbase import _MAX_SGE, _SimDomainBase, _SimResource, _post_recvs, _pow2
 
 __all__ = ["SimSharedReceiveQueue"]
 
@@ -91,13 +91,7 @@ class SimSharedReceiveQueue(_SimResource):
     def post_recv_batch(self, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int]) -> None:
         """Post receive buffers (same ``lkey``); :class:`PostError` says how many were posted."""
         self._ensure_open("ibv_post_srq_recv")
-        n = len(addrs)
-        if not (len(lens) == len(wr_ids) == n):
-            raise ValueError("addrs, lens and wr_ids must have the same length")
-        for i in range(n):
-            err = self._post(wr_ids[i], addrs[i], lens[i], lkey)
-            if err:
-                raise PostError(err, "ibv_post_srq_recv", i, n)
+        _post_recvs(self._post, addrs, lens, lkey, wr_ids, "ibv_post_srq_recv")
 
     def _post(self, wr_id: int, addr: int, length: int, lkey: int) -> int:
         if length < 0:

@@ -38,6 +38,7 @@ from ._simbase import (
     _Completion,
     _SimDomainBase,
     _SimResource,
+    _post_recvs,
     _pow2,
 )
 from ._simcq import SimCompletionQueue
@@ -337,13 +338,7 @@ class SimQueuePair(_SimResource):
     def post_recv_batch(self, addrs: Sequence[int], lens: Sequence[int], lkey: int, wr_ids: Sequence[int]) -> None:
         """Post receive buffers (same ``lkey``); :class:`PostError` says how many were posted."""
         self._ensure_open("ibv_post_recv")
-        n = len(addrs)
-        if not (len(lens) == len(wr_ids) == n):
-            raise ValueError("addrs, lens and wr_ids must have the same length")
-        for i in range(n):
-            err = self._post_recv(wr_ids[i], addrs[i], lens[i], lkey)
-            if err:
-                raise PostError(err, "ibv_post_recv", i, n)
+        _post_recvs(self._post_recv, addrs, lens, lkey, wr_ids, "ibv_post_recv")
 
     def post_send_imm(self, wr_id: int, addr: int, length: int, lkey: int, imm_data: int, flags: int) -> None:
         """One SEND_WITH_IMM; ``flags`` is an int of SIGNALED | SOLICITED | INLINE bits."""
